@@ -1,0 +1,78 @@
+"""The MARS loss: ``L = L_mask + w_ar * L_AR``, each a mean cross-entropy over its own targets.
+
+``L_AR`` is the clean stream's ordinary next-token loss; ``L_mask`` is the noisy stream's loss on
+masked response tokens. Without ``L_AR`` the AR share of the signal falls as 1/B and quality
+collapses at large B; ``w_ar = 0`` is kept trainable as the paper's ablation. The ``ar`` objective
+is the same computation on a clean-only batch (``L = L_AR``).
+
+Logits are computed only at positions that have a target: the LM head over the full 2L x vocab
+tensor would dominate memory, and every other position is discarded anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mars.batch import IGNORE, DualStreamBatch
+from mars.masking import CLEAN, NOISY
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # what backward() is called on
+    l_mask: torch.Tensor  # mean CE over noisy targets (0 when there are none)
+    l_ar: torch.Tensor  # mean CE over clean targets
+    n_mask: int
+    n_ar: int
+
+    def log_dict(self) -> dict[str, float]:
+        return {"loss": float(self.loss), "l_mask": float(self.l_mask), "l_ar": float(self.l_ar),
+                "n_mask": self.n_mask, "n_ar": self.n_ar}
+
+
+def target_logits(model, batch: DualStreamBatch, attn_implementation: str | None = None,
+                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits at every position that has a target, and those targets (flattened, same order)."""
+    impl = attn_implementation or getattr(model.config, "_attn_implementation", None) or "sdpa"
+    dtype = dtype or next(model.parameters()).dtype
+    mask = batch.attention_mask(impl, dtype)
+    selected = batch.labels != IGNORE
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    if decoder is not None and head is not None and not getattr(model.config, "final_logit_softcapping", None):
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
+                         use_cache=False).last_hidden_state
+        logits = head(hidden[selected])
+    else:  # models with extra logit processing: take the full forward
+        logits = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
+                       use_cache=False).logits[selected]
+    return logits, batch.labels[selected]
+
+
+def mars_loss(logits: torch.Tensor, targets: torch.Tensor, streams: torch.Tensor, w_ar: float = 1.0,
+              denominators: tuple[float, float] | None = None) -> LossOutput:
+    """Combine the two streams' losses.
+
+    ``logits [N, V]``, ``targets [N]`` and ``streams [N]`` are the target positions only.
+    ``denominators = (n_mask, n_ar)`` overrides the local token counts, so that data-parallel workers
+    can normalise by the global counts and match a single process exactly.
+    """
+    ce = F.cross_entropy(logits.float(), targets, reduction="none")
+    is_mask, is_ar = streams == NOISY, streams == CLEAN
+    n_mask, n_ar = int(is_mask.sum()), int(is_ar.sum())
+    d_mask, d_ar = denominators if denominators is not None else (n_mask, n_ar)
+    zero = ce.sum() * 0.0  # keeps the graph connected when a stream has no targets
+    l_mask = ce[is_mask].sum() / d_mask if d_mask else zero
+    l_ar = ce[is_ar].sum() / d_ar if d_ar else zero
+    loss = l_mask + w_ar * l_ar if n_mask or d_mask else l_ar
+    return LossOutput(loss=loss, l_mask=l_mask, l_ar=l_ar, n_mask=n_mask, n_ar=n_ar)
+
+
+def compute_loss(model, batch: DualStreamBatch, w_ar: float = 1.0, attn_implementation: str | None = None,
+                 denominators: tuple[float, float] | None = None) -> LossOutput:
+    """Forward the batch and return the MARS loss (or the plain AR loss for a clean-only batch)."""
+    logits, targets = target_logits(model, batch, attn_implementation)
+    streams = batch.stream[batch.labels != IGNORE]
+    return mars_loss(logits, targets, streams, w_ar, denominators)
