@@ -66,11 +66,14 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def validate_example(ex: Example, index: int = 0) -> None:
+def validate_example(ex: Example, index: int = 0, max_length: int | None = None) -> None:
+    """Raise DataError for an example no batch can hold (prepare counts and skips these instead)."""
     n = len(ex.input_ids)
     if not 0 < ex.prompt_len < n:
         what = "no response tokens" if ex.prompt_len >= n else "no prompt tokens"
         raise DataError(f"example {index}: {what} (prompt_len={ex.prompt_len}, length={n})")
+    if max_length is not None and n > max_length:
+        raise DataError(f"example {index}: length {n} exceeds max_length {max_length}")
 
 
 def build_batch(
@@ -83,6 +86,7 @@ def build_batch(
     block_offset: Literal["fixed", "random"] = "fixed",
     drop_prompt: bool = True,
     generator: torch.Generator | None = None,
+    max_length: int | None = None,
 ) -> DualStreamBatch:
     """Collate examples into one batch for ``objective`` (see module docstring)."""
     if block_size < 1:
@@ -95,7 +99,7 @@ def build_batch(
         raise MarsError("build_batch got no examples")
     exs = [e if isinstance(e, Example) else Example(e["input_ids"], int(e["prompt_len"])) for e in examples]
     for i, ex in enumerate(exs):
-        validate_example(ex, i)
+        validate_example(ex, i, max_length)
 
     batch = len(exs)
     lengths = [len(e.input_ids) for e in exs]

@@ -87,7 +87,9 @@ def _dual_logits(model, batch, attn: str) -> torch.Tensor:
                      attention_mask=batch.attention_mask(attn)).logits
 
 
-def _check_equivalence(model, attn, B, prompt_lens, lengths, block_offset="fixed", drop_prompt=True):
+def _check_equivalence(model, attn, B, prompt_lens, lengths, block_offset="fixed", drop_prompt=True, reference=None):
+    """Dual-stream logits of ``model`` vs plain causal forwards of ``reference`` (default: the same model)."""
+    reference = reference or model
     gen = torch.Generator().manual_seed(B)
     exs = [{"input_ids": torch.randint(1, MASK_ID, (n,), generator=gen).tolist(), "prompt_len": p}
            for n, p in zip(lengths, prompt_lens)]
@@ -100,7 +102,7 @@ def _check_equivalence(model, attn, B, prompt_lens, lengths, block_offset="fixed
         x = torch.tensor(ex["input_ids"])
         n, p = len(x), ex["prompt_len"]
         # clean stream == plain causal forward of x
-        worst = max(worst, (logits[i, :n] - _plain_logits(model, x)).abs().max().item())
+        worst = max(worst, (logits[i, :n] - _plain_logits(reference, x)).abs().max().item())
         # every noisy block == plain forward of [x before the block ; the block's noisy tokens]
         noisy = x.clone()
         noisy[p:] = MASK_ID
@@ -114,7 +116,7 @@ def _check_equivalence(model, attn, B, prompt_lens, lengths, block_offset="fixed
             start = int((row_pos[(row_blk == row_blk[j]) & valid] ).min())
             if batch.labels[i, j] == IGNORE:
                 continue
-            ref = _plain_logits(model, torch.cat([x[:start], noisy[start : t + 1]]))[-1]
+            ref = _plain_logits(reference, torch.cat([x[:start], noisy[start : t + 1]]))[-1]
             worst = max(worst, (logits[i, j] - ref).abs().max().item())
     assert worst <= 1e-4, worst
 
@@ -140,11 +142,12 @@ def test_equivalence_holds_with_random_block_offsets(B):
 
 
 def test_flex_attention_block_mask_gives_the_same_logits():
-    flex = pytest.importorskip("torch.nn.attention.flex_attention")
-    model = tiny_model("llama", "sdpa")
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    # Same weights (same seed); plain references run on sdpa, since inductor's CPU flex kernel fails
+    # to compile for some odd sequence lengths.
+    flex_model, sdpa_model = tiny_model("llama", "flex_attention"), tiny_model("llama", "sdpa")
     try:
-        flex_model = tiny_model("llama", "flex_attention")
-        _check_equivalence(flex_model, "flex_attention", 4, prompt_lens=[3, 5], lengths=[13, 12])
+        _check_equivalence(flex_model, "flex_attention", 4, prompt_lens=[3, 5], lengths=[13, 12],
+                           reference=sdpa_model)
     except (RuntimeError, NotImplementedError, ImportError) as err:  # platform without flex support
-        pytest.skip(f"flex attention does not run here: {err}")
-    assert flex is not None and model is not None
+        pytest.skip(f"flex attention does not run here: {type(err).__name__}: {str(err)[:200]}")
