@@ -1,0 +1,556 @@
+"""The ``train`` verb: one trainer, two objectives, three stages.
+
+- ``ar``: the clean stream only, ``L = L_AR`` (the AR SFT baseline);
+- ``mars``: both streams, ``L = L_mask + w_ar * L_AR`` with block size B.
+
+Stages (params ``train.<stage>``): ``sft`` (AR from the base model), ``mars`` (MARS from the SFT
+checkpoint) and ``ar_control`` (AR continued from the SFT checkpoint for as many steps as ``mars``:
+the fair baseline). Batches come from :func:`mars.batch.build_batch`, the loss from
+:func:`mars.loss.compute_loss`.
+
+Devices and processes go through accelerate: the same code runs in one CPU process, as several
+gloo processes (``accelerate launch --multi_gpu ...`` or ``torchrun``), and on GPUs with DDP, FSDP or
+DeepSpeed ZeRO-2 (configs in ``infra/accelerate/``). Results do not depend on the number of processes:
+
+- the data order is a function of (seed, epoch) only; every optimizer step takes the next
+  ``batch_size`` examples of the epoch's permutation, split in contiguous slices over processes and
+  gradient-accumulation micro-batches;
+- each micro-batch's loss is divided by the step's GLOBAL target counts (all-reduced before the
+  forward), and scaled back by processes x micro-batches (DDP/FSDP/DeepSpeed average gradients,
+  accelerate divides by the accumulation steps), so the summed gradient is the global mean.
+
+Checkpoints (``<out>/steps/step-NNNNNNNN``) hold model, optimizer, scheduler, RNG states and the
+step (which fixes the data position); they are written to a temporary folder and renamed, so a
+killed run leaves either a complete checkpoint or none. The final model is a ``save_pretrained``
+folder (``<out>/final``) with the tokenizer and a ``mars`` section in its config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Sequence
+
+import torch
+
+from mars.batch import DualStreamBatch, build_batch
+from mars.errors import ConfigError, DataError, MarsError
+from mars.loss import compute_loss
+
+Stage = Literal["sft", "mars", "ar_control"]
+STAGES: tuple[str, ...] = ("sft", "mars", "ar_control")
+OBJECTIVE = {"sft": "ar", "mars": "mars", "ar_control": "ar"}
+STEP_PREFIX = "step-"
+STATE_FILE = "trainer_state.json"
+METRIC_COLUMNS = ("step", "epoch", "loss", "l_mask", "l_ar", "lr", "tokens_per_s")
+
+
+# ----------------------------------------------------------------------------------------- config
+@dataclass
+class StageConfig:
+    """How long one stage trains, and its own learning rate if it differs from ``train.lr``."""
+
+    epochs: float | None = None  # passes over the training split
+    max_steps: int | None = None  # wins over epochs when set
+    same_steps_as: str | None = None  # train exactly as many steps as that stage (ar_control: mars)
+    lr: float | None = None  # null: train.lr
+
+    def __post_init__(self):
+        if self.same_steps_as is not None and self.same_steps_as not in STAGES:
+            raise ConfigError(f"same_steps_as: expected one of {', '.join(STAGES)}, got {self.same_steps_as!r}")
+        if self.same_steps_as is None and self.epochs is None and self.max_steps is None:
+            raise ConfigError("epochs: set epochs, max_steps or same_steps_as")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ConfigError(f"epochs: must be > 0, got {self.epochs}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps: must be >= 1, got {self.max_steps}")
+        if self.lr is not None and self.lr <= 0:
+            raise ConfigError(f"lr: must be > 0, got {self.lr}")
+
+
+@dataclass
+class MarsStageConfig(StageConfig):
+    """The MARS stage also fixes the objective's knobs (recorded in every checkpoint's config.mars)."""
+
+    block_size: int = 4  # B
+    w_ar: float = 1.0  # weight of L_AR; 0 is the paper's ablation
+    block_offset: Literal["fixed", "random"] = "fixed"  # random: blocks start at a random shift in [0, B)
+    drop_prompt: bool = True  # skip the noisy copy of the prompt (no loss there; ~same result, less compute)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.block_size < 1:
+            raise ConfigError(f"block_size: must be >= 1, got {self.block_size}")
+        if self.w_ar < 0:
+            raise ConfigError(f"w_ar: must be >= 0, got {self.w_ar}")
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 5e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_ratio: float = 0.03
+    max_length: int = 512
+    batch_size: int = 8  # GLOBAL examples per optimizer step (all processes x accumulation)
+    grad_accum: int = 1
+    max_grad_norm: float | None = 1.0
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA with bf16, else no
+    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
+    save_every: int = 100  # optimizer steps between checkpoints
+    keep_checkpoints: int = 2
+    threads: int | None = None  # torch CPU threads per process; null: torch's default
+    sft: StageConfig = field(default_factory=lambda: StageConfig(epochs=5))
+    mars: MarsStageConfig = field(default_factory=lambda: MarsStageConfig(epochs=5))
+    ar_control: StageConfig = field(default_factory=lambda: StageConfig(same_steps_as="mars"))
+
+    def __post_init__(self):
+        checks = {
+            "lr": self.lr > 0, "weight_decay": self.weight_decay >= 0, "eps": self.eps > 0,
+            "warmup_ratio": 0 <= self.warmup_ratio < 1, "max_length": self.max_length >= 2,
+            "batch_size": self.batch_size >= 1, "grad_accum": self.grad_accum >= 1,
+            "max_grad_norm": self.max_grad_norm is None or self.max_grad_norm > 0,
+            "save_every": self.save_every >= 1, "keep_checkpoints": self.keep_checkpoints >= 1,
+            "betas": len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "threads": self.threads is None or self.threads >= 1,
+        }
+        for key, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"{key}: invalid value {getattr(self, key)!r}")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(f"batch_size: {self.batch_size} is not a multiple of grad_accum={self.grad_accum}")
+        for name in STAGES:
+            seen, stage = {name}, self.stage(name)
+            while stage.same_steps_as is not None:
+                if stage.same_steps_as in seen:
+                    raise ConfigError(f"{name}.same_steps_as: cycle through {stage.same_steps_as}")
+                seen.add(stage.same_steps_as)
+                stage = self.stage(stage.same_steps_as)
+
+    def stage(self, name: str) -> StageConfig:
+        if name not in STAGES:
+            raise ConfigError(f"stage: expected one of {', '.join(STAGES)}, got {name!r}")
+        return getattr(self, name)
+
+    def schedule_of(self, name: str) -> StageConfig:
+        """The stage whose epochs/max_steps decide ``name``'s length (follows same_steps_as)."""
+        stage = self.stage(name)
+        while stage.same_steps_as is not None:
+            stage = self.stage(stage.same_steps_as)
+        return stage
+
+    def total_steps(self, name: str, num_examples: int) -> int:
+        sched = self.schedule_of(name)
+        if sched.max_steps is not None:
+            return sched.max_steps
+        return max(1, math.ceil(sched.epochs * self.steps_per_epoch(num_examples)))
+
+    def steps_per_epoch(self, num_examples: int) -> int:
+        # drop_last: every step has the full global batch, whatever the number of processes
+        return num_examples // self.batch_size
+
+
+def load_train_config(params: dict) -> TrainConfig:
+    from mars.config import section
+
+    return section(params, "train", TrainConfig)
+
+
+# ------------------------------------------------------------------------------------------- data
+def load_examples(data_dir: str | Path, max_length: int, split: str = "train") -> tuple[list[dict], dict]:
+    """The training examples of a prepared data folder (``mars prepare``) and its meta.json.
+
+    Examples longer than ``max_length`` lose the end of their response; an example whose prompt
+    alone fills ``max_length`` has nothing left to learn from and is dropped.
+    """
+    from mars.data import load_meta, load_split
+
+    meta = load_meta(data_dir)
+    examples = truncate_examples(load_split(data_dir, split), max_length)
+    if not examples:
+        raise DataError(f"{data_dir}: split {split!r} has no usable examples (train.max_length={max_length})")
+    return examples, meta
+
+
+def truncate_examples(rows: Sequence[dict], max_length: int) -> list[dict]:
+    out = []
+    for row in rows:
+        ids, p = list(row["input_ids"]), int(row["prompt_len"])
+        if p < max_length:
+            out.append({"input_ids": ids[:max_length], "prompt_len": p})
+    return out
+
+
+# ---------------------------------------------------------------------------------- data position
+def epoch_order(num_examples: int, seed: int, epoch: int):
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_examples, generator=gen).tolist()
+
+
+def step_indices(step: int, num_examples: int, batch_size: int, seed: int) -> tuple[int, list[int]]:
+    """(epoch, example indices) of optimizer step ``step`` (0-based): the data position is the step."""
+    per_epoch = num_examples // batch_size
+    epoch, j = divmod(step, per_epoch)
+    return epoch, epoch_order(num_examples, seed, epoch)[j * batch_size:(j + 1) * batch_size]
+
+
+def shard(indices: list[int], rank: int, world: int, accum: int) -> list[list[int]]:
+    """This process's micro-batches: a contiguous slice of the global batch, cut in ``accum`` parts."""
+    per_rank = len(indices) // world
+    mine = indices[rank * per_rank:(rank + 1) * per_rank]
+    per_micro = per_rank // accum
+    return [mine[m * per_micro:(m + 1) * per_micro] for m in range(accum)]
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def step_dir(out: Path, step: int) -> Path:
+    return out / "steps" / f"{STEP_PREFIX}{step:08d}"
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """Finished step checkpoints under ``out/steps``, oldest first (temporary folders are skipped)."""
+    root = out / "steps"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
+
+
+def resolve_resume(resume: str, out: Path) -> Path | None:
+    if resume == "no":
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(out)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise MarsError(f"--resume {resume}: not a training checkpoint (no {STATE_FILE}); use no, auto or a "
+                        f"{out / 'steps'}/{STEP_PREFIX}* folder")
+    return path
+
+
+def atomic_replace_dir(tmp: Path, dest: Path) -> None:
+    """Move a finished folder into place; an existing ``dest`` is swapped out, then removed."""
+    old = dest.with_name(f".{dest.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if dest.exists():
+        dest.rename(old)
+    tmp.rename(dest)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------ metrics
+class MetricsLog:
+    """One TSV row per optimizer step (``dvc plots`` reads it); a resumed run continues it."""
+
+    def __init__(self, path: Path, resume_step: int):
+        self.path = path
+        kept = []
+        if resume_step and path.is_file():
+            with path.open() as fh:
+                kept = [r for r in csv.DictReader(fh, delimiter="\t") if int(r["step"]) <= resume_step]
+        lines = ["\t".join(METRIC_COLUMNS)] + ["\t".join(r[c] for c in METRIC_COLUMNS) for r in kept]
+        write_text_atomic(path, "\n".join(lines) + "\n")
+        self.fh = path.open("a")
+
+    def write(self, row: dict) -> None:
+        self.fh.write("\t".join(_fmt(row[c]) for c in METRIC_COLUMNS) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def _fmt(value) -> str:
+    return str(value) if isinstance(value, int) else f"{value:.6g}"
+
+
+# ---------------------------------------------------------------------------------------- training
+@dataclass
+class TrainResult:
+    stage: str
+    objective: str
+    steps: int
+    final_dir: Path
+    metrics_path: Path
+    final_loss: float
+    seconds: float
+    tokens_per_s: float
+
+
+class LossModel(torch.nn.Module):
+    """The causal LM with the MARS loss as its forward.
+
+    DDP, FSDP and DeepSpeed only synchronise what runs through the wrapped module's own forward;
+    ``compute_loss`` calls the decoder and the LM head separately (logits only where there are
+    targets), so the whole loss is the forward of this module and the LM is wrapped inside it.
+    """
+
+    def __init__(self, lm, attn_implementation: str):
+        super().__init__()
+        self.lm = lm
+        self.attn_implementation = attn_implementation
+        self._no_split_modules = getattr(lm, "_no_split_modules", None)  # FSDP auto-wrap reads it
+
+    def forward(self, batch: DualStreamBatch, w_ar: float, denominators: tuple[float, float]):
+        out = compute_loss(self.lm, batch, w_ar=w_ar, attn_implementation=self.attn_implementation,
+                           denominators=denominators)
+        return out.loss, out.l_mask.detach(), out.l_ar.detach()
+
+
+def mars_section(cfg: TrainConfig, stage: str, mask_id: int, base: str) -> dict:
+    """The ``config.mars`` record of a checkpoint: what it is and how it was trained.
+
+    AR checkpoints record the MARS stage's B too: the block size they are compared at when decoded.
+    """
+    m = cfg.mars
+    objective = OBJECTIVE[stage]
+    return {
+        "block_size": m.block_size, "mask_token_id": int(mask_id), "objective": objective,
+        "w_ar": m.w_ar if objective == "mars" else 1.0, "stage": stage,
+        "block_offset": m.block_offset if objective == "mars" else "fixed", "base": base,
+    }
+
+
+def _make_accelerator(cfg: TrainConfig):
+    from accelerate import Accelerator
+
+    precision = cfg.mixed_precision
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    # cpu=True is what makes a multi-process launch on a machine without CUDA use gloo
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=precision,
+                       gradient_accumulation_steps=cfg.grad_accum)
+
+
+def _scheduler(cfg: TrainConfig, optimizer, total: int):
+    from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
+                              get_linear_schedule_with_warmup)
+
+    warmup = math.ceil(cfg.warmup_ratio * total)
+    if cfg.scheduler == "constant":
+        return get_constant_schedule_with_warmup(optimizer, warmup)
+    make = get_cosine_schedule_with_warmup if cfg.scheduler == "cosine" else get_linear_schedule_with_warmup
+    return make(optimizer, warmup, total)
+
+
+def _fingerprint(cfg: TrainConfig, stage: str, seed: int, num_examples: int, total: int) -> dict:
+    """What a checkpoint must agree on to be resumed (anything else may change between runs)."""
+    return {"stage": stage, "seed": seed, "num_examples": num_examples, "total_steps": total,
+            "batch_size": cfg.batch_size, "stage_config": asdict(cfg.stage(stage))}
+
+
+def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[dict], out: str | Path,
+          resume: str = "auto", metrics_path: str | Path | None = None, seed: int = 0,
+          progress: bool = True, data_meta: dict | None = None) -> TrainResult:
+    """Train ``stage`` from the checkpoint ``init`` on ``examples``; the final model goes to ``out/final``.
+
+    ``data_meta`` (the prepared data's meta.json) is checked against the tokenizer of ``init``.
+    """
+    from accelerate.utils import set_seed
+
+    from mars.mask_token import mask_token_id
+    from mars.models import load_model
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    stage_cfg = cfg.stage(stage)
+    objective = OBJECTIVE[stage]
+    out = Path(out)
+    metrics_path = Path(metrics_path) if metrics_path else Path("metrics") / f"train_{stage}.tsv"
+    accelerator = _make_accelerator(cfg)
+    world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise ConfigError(f"train.batch_size: {cfg.batch_size} is not a multiple of processes x grad_accum "
+                          f"= {world} x {cfg.grad_accum}")
+    n = len(examples)
+    if n < cfg.batch_size:
+        raise DataError(f"{n} training examples, fewer than one batch (train.batch_size={cfg.batch_size})")
+    total = cfg.total_steps(stage, n)
+    per_epoch = cfg.steps_per_epoch(n)
+    set_seed(seed)
+
+    model, tokenizer = load_model(init, attn_implementation=cfg.attn_implementation)
+    mask_id = mask_token_id(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise MarsError(f"{init}: tokenizer has neither a pad nor an EOS token")
+    if data_meta is not None:
+        from mars.data import check_tokenizer
+
+        check_tokenizer(data_meta, tokenizer)  # the data's token ids must mean the same here
+    base = (getattr(model.config, "mars", None) or {}).get("base") or str(init)
+    model = LossModel(model.train(), cfg.attn_implementation)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=stage_cfg.lr or cfg.lr, betas=tuple(cfg.betas),
+                                  eps=cfg.eps, weight_decay=cfg.weight_decay)
+    # The scheduler stays outside prepare(): accelerate would step it once per process per step.
+    scheduler = _scheduler(cfg, optimizer, total)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+
+    fingerprint = _fingerprint(cfg, stage, seed, n, total)
+    start = 0
+    ckpt = resolve_resume(resume, out)
+    if ckpt is not None:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        diff = [k for k in fingerprint if state["fingerprint"].get(k) != fingerprint[k]]
+        if diff:
+            raise MarsError(f"cannot resume from {ckpt}: it was trained with different {', '.join(diff)} "
+                            f"({ {k: state['fingerprint'].get(k) for k in diff} } vs now { {k: fingerprint[k] for k in diff} }); "
+                            "use --resume no to start over")
+        accelerator.load_state(str(ckpt))
+        start = int(state["step"])
+    elif resume == "no" and main and (out / "steps").exists():
+        shutil.rmtree(out / "steps")  # a fresh run must not be resumed into later from stale steps
+    accelerator.wait_for_everyone()
+
+    log = MetricsLog(metrics_path, start) if main else None
+    bar = None
+    if main and progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, initial=start, desc=f"train {stage}", unit="step", dynamic_ncols=True)
+    m = cfg.mars
+    scale = world * cfg.grad_accum
+    device = accelerator.device
+    started, tokens_seen, last = time.perf_counter(), 0, {}
+    try:
+        for step in range(start, total):
+            t0 = time.perf_counter()
+            epoch, indices = step_indices(step, n, cfg.batch_size, seed)
+            batches = []
+            for micro, idx in enumerate(shard(indices, rank, world, cfg.grad_accum)):
+                # random block offsets depend on (seed, step, rank, micro) only: a resumed run redraws them
+                gen = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1024 + rank) * 64 + micro)
+                batches.append(build_batch([examples[i] for i in idx], objective=objective,
+                                           block_size=m.block_size, mask_token_id=mask_id, pad_token_id=pad_id,
+                                           block_offset=m.block_offset, drop_prompt=m.drop_prompt,
+                                           generator=gen).to(device))
+            counts = torch.tensor([[b.num_targets()["mask"], b.num_targets()["ar"], int(b.layout.valid.sum())]
+                                   for b in batches], dtype=torch.float64, device=device).sum(0)
+            counts = accelerator.reduce(counts, reduction="sum")
+            denominators = (float(counts[0]), float(counts[1]))
+            w_ar = m.w_ar if objective == "mars" else 1.0
+            l_mask = l_ar = 0.0
+            for batch in batches:
+                with accelerator.accumulate(model), accelerator.autocast():
+                    loss_t, l_mask_t, l_ar_t = model(batch, w_ar, denominators)
+                    accelerator.backward(loss_t * scale)
+                    if accelerator.sync_gradients and cfg.max_grad_norm:
+                        accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                l_mask += float(l_mask_t)
+                l_ar += float(l_ar_t)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            summed = accelerator.reduce(torch.tensor([l_mask, l_ar], dtype=torch.float64, device=device), "sum")
+            l_mask, l_ar = float(summed[0]), float(summed[1])
+            loss = l_mask + w_ar * l_ar if objective == "mars" else l_ar
+            elapsed = time.perf_counter() - t0
+            tokens_seen += int(counts[2])
+            last = {"step": step + 1, "epoch": round(epoch + (step % per_epoch + 1) / per_epoch, 4), "loss": loss,
+                    "l_mask": l_mask, "l_ar": l_ar, "lr": lr, "tokens_per_s": float(counts[2]) / max(elapsed, 1e-9)}
+            if not math.isfinite(loss):
+                raise MarsError(f"train {stage}: loss is {loss} at step {step + 1} (lower train.lr?)")
+            if log is not None:
+                log.write(last)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", l_mask=f"{l_mask:.4f}", l_ar=f"{l_ar:.4f}",
+                                tok_s=f"{last['tokens_per_s']:.0f}", refresh=False)
+            if (step + 1) % cfg.save_every == 0 and step + 1 < total:
+                _save_step(accelerator, out, step + 1, fingerprint, cfg.keep_checkpoints)
+    finally:
+        if bar is not None:
+            bar.close()
+        if log is not None:
+            log.close()
+    seconds = time.perf_counter() - started
+    final = out / "final"
+    _save_final(accelerator, model, tokenizer, final, mars_section(cfg, stage, mask_id, base), {
+        "stage": stage, "objective": objective, "init": str(init), "steps": total, "seed": seed,
+        "num_examples": n, "processes": world, "train": asdict(cfg), "final_step": last,
+    })
+    return TrainResult(stage=stage, objective=objective, steps=total, final_dir=final, metrics_path=metrics_path,
+                       final_loss=float(last.get("loss", float("nan"))), seconds=seconds,
+                       tokens_per_s=tokens_seen / max(seconds, 1e-9))
+
+
+def _save_step(accelerator, out: Path, step: int, fingerprint: dict, keep: int) -> None:
+    dest = step_dir(out, step)
+    tmp = dest.with_name(f".tmp-{dest.name}")
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)  # left over from a killed run
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        # the state file is the completion marker: written last, then the folder is renamed into place
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "fingerprint": fingerprint}, indent=2))
+        atomic_replace_dir(tmp, dest)
+        for old in complete_checkpoints(out)[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def _save_final(accelerator, model, tokenizer, final: Path, mars: dict, run: dict) -> None:
+    accelerator.wait_for_everyone()
+    state = accelerator.get_state_dict(model)  # gathers FSDP / ZeRO shards; every process must call it
+    if accelerator.is_main_process:
+        state = {k.removeprefix("lm."): v for k, v in state.items()}
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".tmp-{final.name}")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        unwrapped = accelerator.unwrap_model(model).lm
+        unwrapped.config.mars = mars
+        unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "mars_run.json").write_text(json.dumps({**run, "mars": mars}, indent=2, default=str))
+        atomic_replace_dir(tmp, final)
+    accelerator.wait_for_everyone()
+
+
+# -------------------------------------------------------------------------------------------- CLI
+def cli(argv: list[str], verb: str = "train") -> int:
+    from mars.config import add_params_arguments, params_from_args
+
+    parser = argparse.ArgumentParser(prog=f"mars {verb}", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", required=True, choices=STAGES)
+    parser.add_argument("--init", required=True, help="checkpoint to start from (base model or SFT final)")
+    parser.add_argument("--data", required=True, help="prepared data folder (mars prepare)")
+    parser.add_argument("--out", required=True, help="run folder: steps/ checkpoints and final/ model")
+    parser.add_argument("--resume", default="auto", help="no | auto (latest step checkpoint in OUT) | PATH")
+    parser.add_argument("--metrics", help="per-step TSV (default metrics/train_<stage>.tsv)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_params_arguments(parser)
+    args = parser.parse_args(argv)
+    params = params_from_args(args)
+    cfg = load_train_config(params)
+    examples, meta = load_examples(args.data, cfg.max_length)
+    result = train(cfg, stage=args.stage, init=args.init, examples=examples, out=args.out, resume=args.resume,
+                   metrics_path=args.metrics, seed=int(params.get("seed", 0)), progress=not args.no_progress,
+                   data_meta=meta)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"train {result.stage}: {result.steps} steps, final loss {result.final_loss:.4f}, "
+              f"{result.seconds:.1f} s, {result.tokens_per_s:.0f} tokens/s -> {result.final_dir}")
+    return 0

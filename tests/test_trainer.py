@@ -1,0 +1,225 @@
+"""The trainer: objectives, stages, checkpoints and resume, and process-count independence.
+
+Models are the tiny random Llama of conftest with a word-level tokenizer; the data is a synthetic
+copy task (the response repeats the prompt), which a tiny model learns in a few dozen steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import load_file
+
+from mars.errors import ConfigError, MarsError
+from mars.trainer import (TrainConfig, complete_checkpoints, load_train_config, shard, step_indices, train)
+
+VOCAB = 96
+SPECIALS = ["<pad>", "</s>", "<|mask|>"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    vocab.update({f"t{i}": i for i in range(len(SPECIALS), VOCAB)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
+                                        extra_special_tokens={"mask_token": "<|mask|>"})
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tokenizer
+
+
+def make_init(path: Path, seed: int = 0) -> Path:
+    """A base checkpoint as `mars base` writes it: model + tokenizer, mask token registered."""
+    from mars.mask_token import add_mask_token
+
+    model, tokenizer = tiny_model("llama", seed=seed, vocab=VOCAB), make_tokenizer()
+    info = add_mask_token(model, tokenizer, allow_resize=False)
+    assert not info.resized
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def copy_examples(n: int, seed: int = 0, prompt_len: tuple[int, int] = (3, 9)) -> list[dict]:
+    """prompt = random tokens from a small range, response = the same tokens then EOS."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        p = int(torch.randint(prompt_len[0], prompt_len[1], (1,), generator=gen))
+        prompt = torch.randint(len(SPECIALS), len(SPECIALS) + 16, (p,), generator=gen).tolist()
+        out.append({"input_ids": prompt + prompt + [1], "prompt_len": p})
+    return out
+
+
+def prepare_data(out: Path, init: Path, examples: list[dict]) -> Path:
+    """`mars prepare` on the synthetic examples (as prompt/response text rows of a JSONL file)."""
+    from mars.data import DataConfig, prepare
+
+    src = out.with_suffix(".jsonl")
+    with src.open("w") as fh:
+        for i, ex in enumerate(examples):
+            words = [f"t{t}" for t in ex["input_ids"][:-1]]
+            p = ex["prompt_len"]
+            fh.write(json.dumps({"id": i, "prompt": " ".join(words[:p]), "response": " ".join(words[p:])}) + "\n")
+    prepare(DataConfig(source=str(src), n_heldout=4, max_length=64), init, out)
+    return out
+
+
+def config(**over) -> TrainConfig:
+    base = dict(lr=3e-3, warmup_ratio=0.0, batch_size=8, save_every=1000, max_length=64, threads=1,
+                sft={"max_steps": 12}, mars={"max_steps": 12, "block_size": 4}, ar_control={"same_steps_as": "mars"})
+    base.update(over)
+    return load_train_config({"train": base})
+
+
+@pytest.fixture(scope="module")
+def init_dir(tmp_path_factory):
+    return make_init(tmp_path_factory.mktemp("init"))
+
+
+def rows(path: Path) -> list[dict]:
+    lines = path.read_text().splitlines()
+    head = lines[0].split("\t")
+    return [dict(zip(head, map(float, line.split("\t")))) for line in lines[1:]]
+
+
+# ------------------------------------------------------------------------------------------- config
+def test_params_yaml_train_section_is_valid_for_every_profile():
+    from mars.config import load_params
+
+    for profile in ("tiny", "smollm2", "qwen2_5_0_5b", "qwen2_5_7b"):
+        cfg = load_train_config(load_params(ROOT / "params.yaml", [f"profile={profile}"]))
+        assert cfg.ar_control.same_steps_as == "mars"
+        assert cfg.total_steps("ar_control", 1000) == cfg.total_steps("mars", 1000)
+
+
+@pytest.mark.parametrize("over, key", [
+    ({"batch_size": 6, "grad_accum": 4}, "train.batch_size"),
+    ({"mars": {"epochs": 1, "block_size": 0}}, "train.mars.block_size"),
+    ({"mars": {"epochs": 1, "w_ar": -1}}, "train.mars.w_ar"),
+    ({"mars": {"epochs": 1, "block_offset": "sometimes"}}, "train.mars.block_offset"),
+    ({"sft": {}}, "train.sft.epochs"),
+    ({"sft": {"same_steps_as": "ar_control"}, "ar_control": {"same_steps_as": "sft"}}, "same_steps_as"),
+    ({"learning_rate": 1e-3}, "learning_rate"),
+])
+def test_bad_train_params_name_the_key(over, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_train_config({"train": over})
+
+
+def test_batches_split_over_processes_and_micro_batches_cover_the_global_batch():
+    epoch, idx = step_indices(5, num_examples=20, batch_size=8, seed=1)
+    assert epoch == 2 and len(set(idx)) == 8  # 2 steps per epoch (drop_last), step 5 is epoch 2's second
+    parts = [m for r in range(2) for m in shard(idx, r, world=2, accum=2)]
+    assert [len(p) for p in parts] == [2, 2, 2, 2] and sum(parts, []) == idx
+    assert step_indices(5, 20, 8, seed=1) == (epoch, idx)  # the data position is a function of the step
+
+
+# ------------------------------------------------------------------------------------------ training
+def test_sft_learns_and_writes_a_self_describing_checkpoint(init_dir, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = config(sft={"max_steps": 30})
+    res = train(cfg, stage="sft", init=init_dir, examples=copy_examples(64), out=tmp_path / "sft",
+                metrics_path=tmp_path / "m.tsv", progress=False)
+    log = rows(res.metrics_path)
+    assert [r["step"] for r in log] == list(range(1, 31))
+    assert log[-1]["loss"] < 0.8 * log[0]["loss"]
+    assert all(r["l_mask"] == 0 and r["l_ar"] == r["loss"] and r["tokens_per_s"] > 0 for r in log)
+    final = res.final_dir
+    assert (final / "model.safetensors").is_file() and not list(final.glob("*.bin"))
+    assert AutoTokenizer.from_pretrained(final).convert_tokens_to_ids("<|mask|>") == 2
+    mars = AutoConfig.from_pretrained(final).mars
+    assert mars == {"block_size": 4, "mask_token_id": 2, "objective": "ar", "w_ar": 1.0, "stage": "sft",
+                    "block_offset": "fixed", "base": str(init_dir)}
+    run = json.loads((final / "mars_run.json").read_text())
+    assert run["steps"] == 30 and run["processes"] == 1
+
+
+def test_mars_stage_logs_both_losses_and_ar_control_runs_as_many_steps(init_dir, tmp_path):
+    from transformers import AutoConfig
+
+    cfg = config(mars={"max_steps": 6, "block_size": 4, "w_ar": 0.5, "block_offset": "random"})
+    data = copy_examples(32)
+    res = train(cfg, stage="mars", init=init_dir, examples=data, out=tmp_path / "mars",
+                metrics_path=tmp_path / "mars.tsv", progress=False)
+    log = rows(res.metrics_path)
+    assert all(r["l_mask"] > 0 and r["l_ar"] > 0 for r in log)
+    assert all(abs(r["loss"] - (r["l_mask"] + 0.5 * r["l_ar"])) < 1e-4 for r in log)
+    mars = AutoConfig.from_pretrained(res.final_dir).mars
+    assert (mars["objective"], mars["stage"], mars["w_ar"], mars["block_offset"]) == ("mars", "mars", 0.5, "random")
+    ctl = train(cfg, stage="ar_control", init=res.final_dir, examples=data, out=tmp_path / "ctl",
+                metrics_path=tmp_path / "ctl.tsv", progress=False)
+    assert ctl.steps == res.steps == 6
+    ctl_mars = AutoConfig.from_pretrained(ctl.final_dir).mars
+    assert (ctl_mars["objective"], ctl_mars["stage"], ctl_mars["base"]) == ("ar", "ar_control", str(init_dir))
+
+
+def test_w_ar_zero_ablation_at_block_16_trains_on_l_mask_alone(init_dir, tmp_path):
+    cfg = config(mars={"max_steps": 15, "block_size": 16, "w_ar": 0.0})
+    res = train(cfg, stage="mars", init=init_dir, examples=copy_examples(64, prompt_len=(6, 12)),
+                out=tmp_path / "abl", metrics_path=tmp_path / "abl.tsv", progress=False)
+    log = rows(res.metrics_path)
+    assert all(r["loss"] == pytest.approx(r["l_mask"], rel=1e-5) for r in log)
+    assert log[-1]["l_mask"] < log[0]["l_mask"]
+    assert json.loads((res.final_dir / "config.json").read_text())["mars"]["w_ar"] == 0.0
+
+
+def test_gradient_accumulation_matches_one_big_batch(init_dir, tmp_path):
+    """Micro-batches are normalised by the step's global token counts, so accumulation changes nothing."""
+    data = copy_examples(32)
+    finals = []
+    for accum in (1, 4):
+        cfg = config(grad_accum=accum, mars={"max_steps": 4, "block_size": 4})
+        res = train(cfg, stage="mars", init=init_dir, examples=data, out=tmp_path / f"a{accum}",
+                    metrics_path=tmp_path / f"a{accum}.tsv", progress=False)
+        finals.append((rows(res.metrics_path), load_file(res.final_dir / "model.safetensors")))
+    (log1, w1), (log4, w4) = finals
+    for a, b in zip(log1, log4):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    assert max((w1[k] - w4[k]).abs().max().item() for k in w1) < 1e-5
+
+
+def test_resume_from_a_step_checkpoint_equals_an_uninterrupted_run(init_dir, tmp_path):
+    data = copy_examples(32)
+    cfg = config(save_every=3, keep_checkpoints=2, sft={"max_steps": 8})
+    full = train(cfg, stage="sft", init=init_dir, examples=data, out=tmp_path / "full",
+                 metrics_path=tmp_path / "full.tsv", progress=False)
+    assert [p.name for p in complete_checkpoints(tmp_path / "full")] == ["step-00000003", "step-00000006"]
+    part = tmp_path / "part"
+    # stop after step 3: a 3-step schedule would change the LR curve, so copy the checkpoint instead
+    (part / "steps").mkdir(parents=True)
+    import shutil
+
+    shutil.copytree(tmp_path / "full" / "steps" / "step-00000003", part / "steps" / "step-00000003")
+    res = train(cfg, stage="sft", init=init_dir, examples=data, out=part, metrics_path=tmp_path / "part.tsv",
+                progress=False)
+    a, b = load_file(full.final_dir / "model.safetensors"), load_file(res.final_dir / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    assert [r["step"] for r in rows(tmp_path / "part.tsv")] == list(range(4, 9))
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(init_dir, tmp_path):
+    data = copy_examples(32)
+    train(config(save_every=2, sft={"max_steps": 3}), stage="sft", init=init_dir, examples=data,
+          out=tmp_path / "r", metrics_path=tmp_path / "r.tsv", progress=False)
+    with pytest.raises(MarsError, match="different total_steps"):
+        train(config(sft={"max_steps": 5}), stage="sft", init=init_dir, examples=data, out=tmp_path / "r",
+              metrics_path=tmp_path / "r.tsv", progress=False)
+    with pytest.raises(MarsError, match="not a training checkpoint"):
+        train(config(), stage="sft", init=init_dir, examples=data, out=tmp_path / "r", resume=str(tmp_path),
+              progress=False, metrics_path=tmp_path / "r.tsv")
