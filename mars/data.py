@@ -3,7 +3,8 @@
 Sources (``data.source``):
 - ``builtin``: the project's own suite (:mod:`mars.suite`), train and held-out splits disjoint by content;
 - a local ``.jsonl``, ``.json`` (a list of objects) or ``.parquet`` file;
-- a ``datasets`` name (``data.split`` is read; needs the hub or a filled HF cache).
+- a ``datasets`` name or a local dataset directory (``data.split`` is read; a name needs the hub or a
+  filled HF cache).
 
 A row is either ``prompt``/``response`` columns or a chat ``messages`` list (names in ``data.*_column``).
 The base model's chat template is applied: the prompt is every turn before the last assistant turn,
@@ -52,7 +53,7 @@ MAX_PROBLEMS_LISTED = 20  # per split, in stats.json; the counts cover every row
 
 @dataclass
 class DataConfig:
-    source: str = BUILTIN  # builtin | path to .jsonl/.json/.parquet | datasets name
+    source: str = BUILTIN  # builtin | path to .jsonl/.json/.parquet | datasets name or dataset dir
     n_train: int | None = 4000  # builtin: items generated; other sources: cap on rows (null = all)
     n_heldout: int = 400  # held-out items (builtin: spread evenly over families)
     seed: int = 0
@@ -189,6 +190,8 @@ def _read_datasets(name: str, split: str, subset: str | None) -> Iterator[tuple[
 def read_rows(source: str, split: str = "train", subset: str | None = None) -> Iterator[tuple[str, Any]]:
     """``(where, row_or_problem)`` for every row of a file or ``datasets`` source."""
     path = Path(source)
+    if path.is_dir():  # a local dataset directory (data files per split), read by `datasets`
+        return _read_datasets(str(path), split, subset)
     if path.suffix in FILE_SUFFIXES or path.exists():
         if not path.is_file():
             raise DataError(f"{path}: no such data file")
@@ -324,7 +327,7 @@ def collect(cfg: DataConfig, tokenizer) -> tuple[dict[str, list[Record]], dict[s
         return out, stats
     train = _validate(read_rows(cfg.source, cfg.split, cfg.subset), tokenizer, cfg, stats["train"], cfg.source)
     if cfg.heldout is not None:
-        is_file = Path(cfg.heldout).suffix in FILE_SUFFIXES or Path(cfg.heldout).exists()
+        is_file = Path(cfg.heldout).suffix in FILE_SUFFIXES or Path(cfg.heldout).is_file()
         name = cfg.heldout if is_file else f"{cfg.source}[{cfg.heldout}]"
         rows = read_rows(cfg.heldout) if is_file else read_rows(cfg.source, cfg.heldout, cfg.subset)
         held = _validate(rows, tokenizer, cfg, stats["heldout"], name)[: cfg.n_heldout]
