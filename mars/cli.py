@@ -21,6 +21,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "export": ("mars.export", "export the fixed-B block forward to ONNX (and TensorRT where CUDA is present)"),
     "promote": ("mars.release", "publish a gated release to the artifact store and move the stage pointer"),
     "pull": ("mars.release", "fetch and verify a promoted release into a directory"),
+    "store": ("mars.store", "list releases in the artifact store; point the DVC remote at it (configure-dvc)"),
     "params": ("mars.config", "show or validate params.yaml as the stages see it"),
 }
 
