@@ -500,11 +500,13 @@ def load_split(data_dir: str | Path, split: str) -> list[dict]:
 
 def check_tokenizer(meta: dict, tokenizer) -> None:
     """Raise DataError when ``tokenizer`` is not the one the data was prepared with (ids would differ)."""
+    from mars.mask_token import MASK_TOKEN
+
     for key, actual in (("eos_token_id", tokenizer.eos_token_id), ("vocab_size", len(tokenizer))):
         if meta[key] != actual:
             raise DataError(f"prepared data has {key} {meta[key]}, the model's tokenizer {actual}: "
                             f"prepare again with this base (data was prepared from {meta['base']})")
-    if tokenizer.convert_tokens_to_ids("<|mask|>") != meta["mask_token_id"]:
+    if tokenizer.convert_tokens_to_ids(MASK_TOKEN) != meta["mask_token_id"]:
         raise DataError(f"prepared data has mask_token_id {meta['mask_token_id']}, the model's tokenizer differs")
 
 
