@@ -16,10 +16,12 @@ Three ways to run the same rule, all giving the same tokens:
   were real inputs of that step and drops the mask entries. In a batch, rows accept different counts;
   the cache grows by the largest count and the shorter rows leave masked-out holes (positions stay
   exact: position ids are explicit).
-* **block-level cache** (``b_cache=C``, paper Fig. 4): the cache grows one block of C positions at a
-  time, for every row at once, so no holes. Inside a block each step forwards the whole uncached block
-  (real tokens + masks, width C+B-1) against the shared prefix cache; a row that has filled its block
-  waits at the boundary until every row has, then the block is committed.
+* **block-level cache** (``b_cache=C >= B``, paper Fig. 4): the cache grows one block of C positions
+  at a time, for every row at once, so no holes. Inside a block each step forwards the whole uncached
+  block (real tokens + masks) against the shared prefix cache; a row that has filled its block waits
+  at the boundary until every row has; that step commits the block and every row steps. A row is never
+  cut short at the boundary (it may run past it by up to B tokens), so the tokens are the same as with
+  the token-level cache.
 
 Finished rows (stop token, token budget) leave the batch at once: their cache rows are dropped.
 
@@ -40,7 +42,7 @@ mars.export) can serve it. All arguments are torch tensors; ids/positions are in
     (``[b, W, V]`` when ``read`` is None). A window always starts with >= 1 real token per row and may
     end in mask tokens beyond what a row needs; a backend with a fixed width may pad it on the right
     with more mask tokens at the following positions (a trailing entry never changes an earlier one)
-    and slice its logits. W <= 2B-1 (token level) or W = C+B-1 (block level).
+    and slice its logits. W <= 2B-1 (token level), W <= C+2B-1 (block level).
 ``commit(n_accept [b]) -> None``
     Keep the first ``n_accept[i]`` pending entries of row i in its cache and drop the rest. The
     decoder only commits entries that were real tokens in that forward. Rows may commit different
@@ -271,3 +273,326 @@ class TorchBackend:
                 layer.keys, layer.values = layer.keys[:, :, columns], layer.values[:, :, columns]
         if shrink:
             self.key_valid = self.key_valid[:, columns]
+
+
+# --------------------------------------------------------------------------------------------- the loops
+
+
+@dataclass
+class _Rows:
+    """What a decoding loop returns for its rows, in input order."""
+
+    token_ids: list[list[int]]
+    forwards: list[int]
+    stopped: list[bool]
+    model_calls: int
+
+
+def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, slots: int, tau: torch.Tensor,
+                  room: Sequence[int], stop_ids: torch.Tensor, mask_id: int, b_cache: int | None = None) -> _Rows:
+    """The cached decoding loop over one batch (token level, or block level with ``b_cache``).
+
+    ``slots`` is the number of slots read per step (B, or 1 when every row has tau = 1: no masks at all),
+    ``tau`` ``[b]``, ``room`` the token budget per row. Bookkeeping lives in small CPU tensors; the
+    backend sees one window per step and syncs once per step (the accepted counts decide the next window).
+    """
+    b = len(prompts)
+    dev = backend.device
+    prompt_len = torch.tensor([len(p) for p in prompts])
+    room = torch.tensor(list(room))
+    total = int((prompt_len + room).max())
+    seq = torch.full((b, total + 1), mask_id, dtype=torch.long)  # column `total` takes rejected slots
+    for i, p in enumerate(prompts):
+        seq[i, : len(p)] = torch.tensor(list(p))
+    length, cached = prompt_len.clone(), prompt_len - 1
+    forwards = torch.zeros(b, dtype=torch.long)
+    rows = torch.arange(b)  # input index of each live row
+    tau_d, greedy_d, stop_d = tau.to(dev), (tau >= 1.0).to(dev), stop_ids.to(dev)
+    # At tau = 1 every row takes one token per step, so one-position blocks are exact and cheapest.
+    block = None if b_cache is None else (b_cache if slots > 1 else 1)
+    slot = torch.arange(slots)
+    out = _Rows([[] for _ in range(b)], [0] * b, [False] * b, 0)
+    backend.start([list(p[:-1]) for p in prompts])
+    while rows.numel():
+        u = length - cached  # real tokens not in the cache yet (>= 1)
+        if block is None:
+            width, stepping, commit = int(u.max()) + slots - 1, None, u
+        else:
+            # The block is committed once every row has it filled with real tokens (u >= C); until
+            # then a row past the boundary waits. The window spans the block and every stepping row's slots.
+            commit_now = bool((u >= block).all())
+            stepping = torch.ones_like(u, dtype=torch.bool) if commit_now else u <= block
+            width = max(block, int(u[stepping].max()) + slots - 1)
+            commit = torch.full_like(u, block if commit_now else 0)
+        index = cached[:, None] + torch.arange(width)
+        window = torch.where(index < length[:, None], seq.gather(1, index.clamp(max=total)), mask_id)
+        read = ((u - 1)[:, None] + slot).clamp(max=width - 1)
+        logits = backend.forward(window.to(dev), index.to(dev), read.to(dev))
+        step_room = room if stepping is None else torch.where(stepping, room, 0)
+        tokens, n, stopped = (t.cpu() for t in accept(logits, tau_d, greedy_d, stop_d, step_room.to(dev)))
+        out.model_calls += 1
+        backend.commit(commit.to(dev))
+        cached += commit
+        seq.scatter_(1, torch.where(slot < n[:, None], length[:, None] + slot, total), tokens)
+        length += n
+        room -= n
+        forwards += 1 if stepping is None else stepping.long()
+        done = stopped | (room == 0)
+        if bool(done.any()):
+            for k in done.nonzero()[:, 0].tolist():
+                i = int(rows[k])
+                out.token_ids[i] = seq[k, prompt_len[k]: length[k]].tolist()
+                out.forwards[i], out.stopped[i] = int(forwards[k]), bool(stopped[k])
+            keep = (~done).nonzero()[:, 0]
+            if keep.numel():
+                backend.retain(keep.to(dev))
+            rows, seq, length, cached, room, forwards, prompt_len = (
+                t[keep] for t in (rows, seq, length, cached, room, forwards, prompt_len))
+            tau_d, greedy_d = tau_d[keep.to(dev)], greedy_d[keep.to(dev)]
+    return out
+
+
+@torch.inference_mode()
+def decode_no_cache(model, prompts: Sequence[Sequence[int]], *, slots: int, tau: torch.Tensor,
+                    room: Sequence[int], stop_ids: torch.Tensor, mask_id: int) -> _Rows:
+    """The reference loop: every step re-runs prompt + accepted tokens + masks with a plain causal mask."""
+    seqs, room = [list(p) for p in prompts], list(room)
+    out = _Rows([[] for _ in prompts], [0] * len(prompts), [False] * len(prompts), 0)
+    live = list(range(len(prompts)))
+    dev = model.device
+    while live:
+        inputs = [seqs[i] + [mask_id] * (slots - 1) for i in live]
+        width = max(map(len, inputs))
+        ids = torch.zeros(len(live), width, dtype=torch.long)
+        attn = torch.zeros(len(live), width, dtype=torch.long)
+        for k, x in enumerate(inputs):  # left padding, so every row's slots are its last `slots` positions
+            ids[k, width - len(x):] = torch.tensor(x)
+            attn[k, width - len(x):] = 1
+        positions = (attn.cumsum(1) - 1).clamp(min=0)
+        logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=positions.to(dev),
+                       logits_to_keep=slots).logits
+        live_t = torch.tensor(live)
+        tokens, n, stopped = accept(logits, tau[live_t].to(dev), (tau[live_t] >= 1.0).to(dev), stop_ids.to(dev),
+                                    torch.tensor([room[i] for i in live], device=dev))
+        out.model_calls += 1
+        for k, i in enumerate(live):
+            new = tokens[k, : int(n[k])].tolist()
+            seqs[i] += new
+            out.token_ids[i] += new
+            out.forwards[i] += 1
+            room[i] -= len(new)
+            out.stopped[i] = bool(stopped[k])
+        live = [i for i in live if not out.stopped[i] and room[i] > 0]
+    return out
+
+
+# --------------------------------------------------------------------------------------------- generate
+
+
+def _context_length(config) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def encode_prompts(tokenizer, prompts: Sequence) -> list[list[int]]:
+    """Token ids per prompt: a string goes through the chat template (a user turn + the generation
+    prompt) when the tokenizer has one, else plain tokenization; a list of ``{"role", "content"}``
+    messages through the chat template; a list of ints is used as is."""
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise MarsError(f"prompt {i}: empty prompt")
+            messages = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            messages = list(prompt)
+        elif isinstance(prompt, (list, tuple, torch.Tensor)):
+            ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+            if not ids:
+                raise MarsError(f"prompt {i}: empty list of token ids")
+            encoded.append(ids)
+            continue
+        else:
+            raise MarsError(f"prompt {i}: expected a string, chat messages or token ids, got {type(prompt).__name__}")
+        if tokenizer is None:
+            raise MarsError(f"prompt {i}: text prompts need a tokenizer")
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+        elif isinstance(prompt, str):
+            ids = tokenizer(prompt)["input_ids"]
+        else:
+            raise MarsError(f"prompt {i}: chat messages need a tokenizer with a chat template")
+        encoded.append([int(t) for t in ids])
+    return encoded
+
+
+def stop_token_ids_of(model, tokenizer=None, extra: Iterable[int] = ()) -> list[int]:
+    """EOS ids of the tokenizer and of the model's generation config, plus ``extra``."""
+    ids = set(int(t) for t in extra)
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return sorted(ids)
+
+
+def _taus(tau, count: int) -> list[float]:
+    taus = [tau] * count if isinstance(tau, (int, float)) else list(tau)
+    if len(taus) != count:
+        raise MarsError(f"tau: got {len(taus)} values for {count} prompts (give one float, or one per prompt)")
+    for i, t in enumerate(taus):
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0 or math.isnan(t):
+            raise MarsError(f"tau{'' if len(set(map(str, taus))) == 1 else f'[{i}]'}: must be in (0, 1], got {t!r}")
+    return [float(t) for t in taus]
+
+
+def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = None, tau: float | Sequence[float] = 0.9,
+             max_new_tokens: int = 256, batch_size: int = 8, use_cache: bool = True, b_cache: int | None = None,
+             stop_token_ids: Iterable[int] = (), backend: DecodeBackend | None = None,
+             progress: bool = False) -> Generations:
+    """Decode ``prompts`` with MARS: block size B, threshold ``tau`` (one float, or one per prompt).
+
+    ``model`` is a transformers causal LM (or, with ``backend``, anything with the checkpoint's
+    ``config``); ``block_size`` defaults to the checkpoint's ``config.mars.block_size``. Returns one
+    :class:`GenerationResult` per prompt, in order, as a :class:`Generations` list with totals.
+    ``b_cache``: None for the token-level cache, C >= B for the block-level cache; ``use_cache=False``
+    runs the no-cache reference loop. Decoding stops at a stop token (EOS of the tokenizer and the
+    generation config, plus ``stop_token_ids``), at ``max_new_tokens`` or at the model's context.
+    """
+    started = time.perf_counter()
+    config = getattr(model, "config", model)
+    taus = _taus(tau, len(prompts))
+    if max_new_tokens < 1:
+        raise MarsError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise MarsError(f"batch_size: must be >= 1, got {batch_size}")
+    if block_size is None:
+        block_size = (getattr(config, "mars", None) or {}).get("block_size")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+        raise MarsError(f"block_size: must be an integer >= 1, got {block_size!r}")
+    needs_masks = any(t < 1.0 for t in taus)
+    if block_size is None:
+        if needs_masks:
+            raise MarsError("block_size: not given and the checkpoint has no config.mars.block_size")
+        block_size = 1
+    mask_id = 0  # with one slot per step no window holds a mask; any valid id fills the unused tail
+    if needs_masks and block_size > 1:
+        from mars.mask_token import mask_token_id
+
+        mask_id = mask_token_id(model, tokenizer)  # raises MaskTokenError for a non-MARS checkpoint
+    if b_cache is not None and use_cache and b_cache < block_size:
+        raise MarsError(f"b_cache: the cache block ({b_cache}) must be at least the block size ({block_size})")
+    encoded = encode_prompts(tokenizer, prompts)
+    context = _context_length(config)
+    rooms = []
+    for i, ids in enumerate(encoded):
+        if context is not None and len(ids) >= context:
+            raise MarsError(f"prompt {i}: {len(ids)} tokens, the model's context is {context}: no room to generate")
+        rooms.append(max_new_tokens if context is None else min(max_new_tokens, context - len(ids)))
+    stops = torch.tensor(stop_token_ids_of(model, tokenizer, stop_token_ids), dtype=torch.long)
+    if use_cache and backend is None:
+        backend = TorchBackend(model)
+
+    # Similar lengths together: less padding. Results go back in prompt order.
+    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
+    results: list[GenerationResult | None] = [None] * len(encoded)
+    calls = 0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(encoded), desc="generate", unit="seq")
+    for start in range(0, len(order), batch_size):
+        batch = order[start: start + batch_size]
+        prompts_b = [encoded[i] for i in batch]
+        tau_b = torch.tensor([taus[i] for i in batch])
+        slots = block_size if bool((tau_b < 1.0).any()) else 1
+        kwargs = dict(slots=slots, tau=tau_b, room=[rooms[i] for i in batch], stop_ids=stops, mask_id=mask_id)
+        if use_cache:
+            rows = decode_cached(backend, prompts_b, b_cache=b_cache, **kwargs)
+        else:
+            rows = decode_no_cache(model, prompts_b, **kwargs)
+        calls += rows.model_calls
+        for k, i in enumerate(batch):
+            ids = rows.token_ids[k]
+            text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+            results[i] = GenerationResult(encoded[i], ids, text, rows.forwards[k], taus[i], block_size,
+                                          "stop" if rows.stopped[k] else "length")
+        if bar is not None:
+            bar.update(len(batch))
+    if bar is not None:
+        bar.close()
+    return Generations(results, calls, time.perf_counter() - started)
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def load_decode_config(args: argparse.Namespace) -> DecodeConfig:
+    """The ``decode:`` section (dataclass defaults when the default params.yaml is absent)."""
+    from pathlib import Path
+
+    from mars.config import DEFAULT_PARAMS, params_from_args, section
+
+    if args.params == str(DEFAULT_PARAMS) and not Path(args.params).is_file() and not args.overrides:
+        return DecodeConfig()
+    return section(params_from_args(args), "decode", DecodeConfig)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, "
+                                                      "bfloat16 on CUDA)")
+
+
+def load_for_decoding(source: str, args: argparse.Namespace):
+    from mars.models import load_model
+
+    dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
+    return load_model(source, dtype=dtype, device=args.device)
+
+
+def cli(argv: list[str], verb: str = "generate") -> int:
+    from mars.config import add_params_arguments
+
+    parser = argparse.ArgumentParser(
+        prog=f"mars {verb}", description="Decode prompts with a MARS checkpoint (defaults: params.yaml decode:).")
+    parser.add_argument("--model", required=True, help="checkpoint directory (or 'smollm2', or a hub id)")
+    parser.add_argument("--block-size", type=int, help="B (default: decode.block_size, else config.mars.block_size)")
+    parser.add_argument("--tau", type=float, help="accept threshold in (0, 1]; 1.0 = greedy AR")
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--b-cache", type=int, help="block-level cache of this many positions (default: token level)")
+    parser.add_argument("--no-cache", action="store_true", help="run the no-cache reference loop")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text ('-' reads one prompt per line "
+                                                                      "from stdin)")
+    add_model_arguments(parser)
+    add_params_arguments(parser)
+    args = parser.parse_args(argv)
+    cfg = load_decode_config(args)
+    prompts = [line for p in args.prompts for line in (sys.stdin.read().splitlines() if p == "-" else [p])]
+    model, tokenizer = load_for_decoding(args.model, args)
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    results = generate(
+        model, tokenizer, prompts,
+        block_size=pick(args.block_size, cfg.block_size), tau=pick(args.tau, cfg.tau),
+        max_new_tokens=pick(args.max_new_tokens, cfg.max_new_tokens),
+        batch_size=pick(args.batch_size, cfg.batch_size), b_cache=pick(args.b_cache, cfg.b_cache),
+        use_cache=cfg.use_cache and not args.no_cache, progress=not args.json and len(prompts) > 1,
+    )
+    for prompt, result in zip(prompts, results):
+        if args.json:
+            print(json.dumps({"prompt": prompt, **result.to_dict()}), flush=True)
+        else:
+            print(result.text, flush=True)
+            print(f"[{len(result.token_ids)} tokens, {result.forwards} forwards, "
+                  f"{result.tokens_per_forward:.2f} tokens/forward, {result.finish_reason}]", file=sys.stderr)
+    total = results.summary()
+    print(f"total: {total['tokens']} tokens in {total['forwards']} forwards ({total['tokens_per_forward']:.2f} "
+          f"tokens/forward), {total['model_calls']} model calls, {total['seconds']:.2f} s", file=sys.stderr)
+    return 0
