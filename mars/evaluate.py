@@ -1,0 +1,227 @@
+"""``mars evaluate``: every checkpoint x benchmark x tau, with accuracy next to decoding speed.
+
+For each checkpoint (``--checkpoint NAME=DIR``, e.g. sft, ar_control, mars), each enabled benchmark
+(:mod:`mars.benchmarks`) and each tau of the sweep, the questions are decoded greedily with
+:func:`mars.decoding.generate` at the checkpoint's block size and scored. Written:
+
+- ``<out>/<checkpoint>/<benchmark>/tau=<tau>.jsonl``: one line per item (prompt ids, generated ids and
+  text, forwards, score and the scorer's details), so every number traces back to its generations;
+- ``metrics/eval.json``: one flat entry per ``<checkpoint>/<benchmark>/tau=<tau>`` with ``score``,
+  ``tokens_per_forward`` (generated tokens / decoding forwards, summed over items), ``tokens``,
+  ``forwards``, ``seconds`` (decoding wall clock), ``tokens_per_s``, ``n``, ``tau``, ``block_size``;
+- ``<out>/plots/<benchmark>/<checkpoint>.json``: accuracy vs tokens/forward rows for ``dvc plots``;
+- ``<out>/plots/*.png`` and ``<out>/report.md`` (:mod:`mars.plots`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mars.benchmarks import BenchmarkConfig, Context, create
+from mars.config import add_params_arguments, params_from_args, section
+from mars.errors import ConfigError, MarsError
+from mars.gate import metric_key, write_json
+from mars.sandbox import SandboxLimits
+
+
+def _default_benchmarks() -> dict[str, BenchmarkConfig]:
+    return {"heldout": BenchmarkConfig(n=80, max_new_tokens=48)}
+
+
+@dataclass
+class EvalConfig:
+    """The ``evaluate:`` section of params.yaml."""
+
+    taus: list[float] = field(default_factory=lambda: [1.0, 0.95, 0.9, 0.8, 0.7])
+    block_size: int | None = None  # None: each checkpoint's config.mars.block_size
+    batch_size: int = 8
+    use_cache: bool = True
+    b_cache: int | None = None  # None: token-level KV cache; C >= B: block-level cache
+    dtype: str = "float32"
+    device: str = "cpu"
+    attn_implementation: str = "sdpa"
+    seed: int = 0
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+    sandbox: SandboxLimits = field(default_factory=SandboxLimits)
+    sandbox_workers: int = 2
+    benchmarks: dict[str, BenchmarkConfig] = field(default_factory=_default_benchmarks)
+
+    def __post_init__(self):
+        if not self.taus:
+            raise ConfigError("taus: give at least one tau")
+        for t in self.taus:
+            if not 0 < t <= 1:
+                raise ConfigError(f"taus: every tau must be in (0, 1], got {t}")
+        if len(set(self.taus)) != len(self.taus):
+            raise ConfigError(f"taus: duplicate values in {self.taus}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ConfigError(f"block_size: must be >= 1, got {self.block_size}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size: must be >= 1, got {self.batch_size}")
+        if not any(b.enabled for b in self.benchmarks.values()):
+            raise ConfigError("benchmarks: none is enabled")
+
+
+def tau_name(tau: float) -> str:
+    return f"tau={float(tau)}"
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Write rows atomically (temp file in the same folder, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            for row in rows:
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def summarize(rows: list[dict], seconds: float, tau: float, block_size: int) -> dict:
+    """The metrics entry of one (checkpoint, benchmark, tau) from its per-item rows."""
+    tokens = sum(len(r["token_ids"]) for r in rows)
+    forwards = sum(r["forwards"] for r in rows)
+    return {
+        "score": sum(r["score"] for r in rows) / len(rows) if rows else 0.0,
+        "tokens_per_forward": tokens / forwards if forwards else 0.0,
+        "tokens": tokens,
+        "forwards": forwards,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "n": len(rows),
+        "tau": float(tau),
+        "block_size": block_size,
+    }
+
+
+def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, cfg: EvalConfig, out_dir: Path,
+                   log=print) -> dict:
+    """Evaluate one loaded model on every benchmark x tau; writes per-item outputs, returns metrics entries."""
+    from mars.decoding import generate
+
+    mars_cfg = getattr(model.config, "mars", None) or {}
+    block_size = cfg.block_size or mars_cfg.get("block_size")
+    if block_size is None:
+        raise MarsError(f"checkpoint {name}: no config.mars.block_size; set evaluate.block_size")
+    entries: dict[str, dict] = {}
+    for bench_name, bench in benchmarks.items():
+        bench_items = items[bench_name]
+        for tau in cfg.taus:
+            gens = generate(model, tokenizer, [it.prompt for it in bench_items], block_size=block_size, tau=tau,
+                            max_new_tokens=bench.config.max_new_tokens, batch_size=cfg.batch_size,
+                            use_cache=cfg.use_cache, b_cache=cfg.b_cache)
+            scored = bench.score(bench_items, [g.text for g in gens])
+            rows = []
+            for it, g, s in zip(bench_items, gens, scored):
+                rows.append({
+                    "id": it.id, "family": it.family,
+                    "prompt": it.prompt if isinstance(it.prompt, str) else None,
+                    "prompt_token_ids": g.prompt_token_ids, "token_ids": g.token_ids, "text": g.text,
+                    "forwards": g.forwards, "tokens_per_forward": g.tokens_per_forward,
+                    "finish_reason": g.finish_reason, "reference": it.reference, **s,
+                })
+            write_jsonl(out_dir / name / bench_name / f"{tau_name(tau)}.jsonl", rows)
+            entry = summarize(rows, gens.seconds, tau, block_size)
+            entries[metric_key(name, bench_name, tau)] = entry
+            log(f"{metric_key(name, bench_name, tau)}: score {entry['score']:.3f}  "
+                f"tokens/forward {entry['tokens_per_forward']:.2f}  {entry['tokens_per_s']:.0f} tok/s")
+    return entries
+
+
+def build_benchmarks(cfg: EvalConfig, data_dir: str | None) -> tuple[dict, dict]:
+    """The enabled benchmarks and their items (built once, shared by every checkpoint)."""
+    context = Context(seed=cfg.seed, data_dir=data_dir, sandbox=cfg.sandbox, sandbox_workers=cfg.sandbox_workers)
+    benchmarks = {name: create(name, bc, context) for name, bc in cfg.benchmarks.items() if bc.enabled}
+    items = {}
+    for name, bench in benchmarks.items():
+        items[name] = bench.items()
+        if not items[name]:
+            raise MarsError(f"benchmark {name}: no items")
+    return benchmarks, items
+
+
+def write_plot_data(metrics: dict, out_dir: Path) -> list[Path]:
+    """``<out>/plots/<benchmark>/<checkpoint>.json``: rows of (tau, tokens_per_forward, score) for dvc plots."""
+    series: dict[tuple[str, str], list[dict]] = {}
+    for key, entry in metrics.items():
+        ckpt, bench, _ = key.split("/")
+        series.setdefault((bench, ckpt), []).append(
+            {"checkpoint": ckpt, "tau": entry["tau"], "tokens_per_forward": entry["tokens_per_forward"],
+             "score": entry["score"], "tokens_per_s": entry["tokens_per_s"]})
+    written = []
+    for (bench, ckpt), rows in series.items():
+        path = out_dir / "plots" / bench / f"{ckpt}.json"
+        write_json(path, sorted(rows, key=lambda r: -r["tau"]))  # type: ignore[arg-type]
+        written.append(path)
+    return written
+
+
+def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, out_dir: str | Path,
+        metrics_path: str | Path, train_metrics_dir: str | Path | None = "metrics", log=print) -> dict:
+    """Evaluate every checkpoint; write per-item outputs, metrics, plot data, PNGs and the report."""
+    import torch
+
+    from mars.models import load_model
+    from mars import plots
+
+    if not checkpoints:
+        raise MarsError("no checkpoint to evaluate (give --checkpoint NAME=DIR)")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out_dir = Path(out_dir)
+    benchmarks, items = build_benchmarks(cfg, data_dir)
+    metrics: dict[str, dict] = {}
+    started = time.perf_counter()
+    for name, path in checkpoints.items():
+        model, tokenizer = load_model(path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
+                                      device=cfg.device)
+        metrics.update(evaluate_model(name, model, tokenizer, benchmarks, items, cfg, out_dir, log=log))
+        del model
+    write_json(metrics_path, metrics)
+    write_plot_data(metrics, out_dir)
+    plots.render_all(metrics, out_dir, train_metrics_dir=train_metrics_dir, checkpoints=checkpoints)
+    log(f"evaluated {len(checkpoints)} checkpoint(s) x {len(benchmarks)} benchmark(s) x {len(cfg.taus)} tau(s) "
+        f"in {time.perf_counter() - started:.1f} s -> {metrics_path}, {out_dir / 'report.md'}")
+    return metrics
+
+
+def _parse_checkpoints(values: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--checkpoint {value!r}: expected NAME=DIR (e.g. mars=checkpoints/mars/final)")
+        if "/" in name or name in out:
+            raise ConfigError(f"--checkpoint {value!r}: names must be unique and contain no '/'")
+        out[name] = path
+    return out
+
+
+def cli(argv: list[str], verb: str = "evaluate") -> int:
+    parser = argparse.ArgumentParser(prog=f"mars {verb}", description=__doc__.split("\n\n")[0])
+    add_params_arguments(parser)
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
+                        help="a checkpoint to evaluate (repeatable): sft=..., ar_control=..., mars=...")
+    parser.add_argument("--data", help="prepared data directory (for the held-out suite)")
+    parser.add_argument("--out", default="eval", help="per-item outputs, plots and report.md")
+    parser.add_argument("--metrics", default="metrics/eval.json", help="the metrics file")
+    parser.add_argument("--train-metrics", default="metrics", help="folder of train_<stage>.tsv for the curves")
+    args = parser.parse_args(argv)
+    cfg = section(params_from_args(args), "evaluate", EvalConfig)
+    run(_parse_checkpoints(args.checkpoint), cfg, data_dir=args.data, out_dir=args.out,
+        metrics_path=args.metrics, train_metrics_dir=args.train_metrics)
+    return 0

@@ -1,0 +1,148 @@
+"""Offline pictures and the markdown report of an evaluation.
+
+``dvc plots show`` writes HTML that loads vega from a CDN, so the pictures are also rendered here with
+matplotlib (Agg, no display, no network): accuracy vs tokens/forward per benchmark (one curve per
+checkpoint, points labelled with tau) and the training curves from ``metrics/train_<stage>.tsv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import tempfile
+from pathlib import Path
+
+PLOTS = "plots"
+
+
+def _save(fig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def by_benchmark(metrics: dict) -> dict[str, dict[str, list[dict]]]:
+    """benchmark -> checkpoint -> entries sorted by tau, descending."""
+    out: dict[str, dict[str, list[dict]]] = {}
+    for key, entry in metrics.items():
+        ckpt, bench, _ = key.split("/")
+        out.setdefault(bench, {}).setdefault(ckpt, []).append(entry)
+    for per_ckpt in out.values():
+        for rows in per_ckpt.values():
+            rows.sort(key=lambda e: -e["tau"])
+    return out
+
+
+def plot_accuracy_vs_speed(bench: str, per_ckpt: dict[str, list[dict]], path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for ckpt, rows in per_ckpt.items():
+        xs, ys = [r["tokens_per_forward"] for r in rows], [100 * r["score"] for r in rows]
+        ax.plot(xs, ys, marker="o", label=ckpt)
+        for r, x, y in zip(rows, xs, ys):
+            ax.annotate(f"{r['tau']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("tokens / forward")
+    ax.set_ylabel("score (%)")
+    ax.set_title(f"{bench}: accuracy vs decoding speed (labels: tau)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(fig, path)
+    plt.close(fig)
+    return path
+
+
+def read_train_tsv(path: Path) -> dict[str, list[float]]:
+    """Columns of a trainer TSV as floats (empty cells -> nan)."""
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh, delimiter="\t")
+        cols: dict[str, list[float]] = {name: [] for name in reader.fieldnames or []}
+        for row in reader:
+            for name in cols:
+                try:
+                    cols[name].append(float(row[name]))
+                except (TypeError, ValueError):
+                    cols[name].append(math.nan)
+    return cols
+
+
+def plot_training(tsvs: dict[str, Path], path: Path) -> Path | None:
+    curves = {stage: read_train_tsv(p) for stage, p in tsvs.items()}
+    curves = {s: c for s, c in curves.items() if c.get("step")}
+    if not curves:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for stage, cols in curves.items():
+        for ax, name in zip(axes, ("loss", "l_mask", "l_ar")):
+            if name in cols and not all(math.isnan(v) for v in cols[name]):
+                ax.plot(cols["step"], cols[name], label=stage)
+    for ax, name in zip(axes, ("loss", "l_mask (noisy stream)", "l_ar (clean stream)")):
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    _save(fig, path)
+    plt.close(fig)
+    return path
+
+
+def _table(per_ckpt: dict[str, list[dict]]) -> list[str]:
+    lines = ["| checkpoint | tau | score | tokens/forward | forwards | seconds | tokens/s | n |",
+             "|---|---|---|---|---|---|---|---|"]
+    for ckpt, rows in per_ckpt.items():
+        for r in rows:
+            lines.append(f"| {ckpt} | {r['tau']:g} | {100 * r['score']:.1f} | {r['tokens_per_forward']:.2f} | "
+                         f"{r['forwards']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['n']} |")
+    return lines
+
+
+def write_report(metrics: dict, out_dir: Path, images: dict[str, Path], training: Path | None,
+                 checkpoints: dict[str, str] | None = None) -> Path:
+    lines = ["# MARS evaluation report", ""]
+    if checkpoints:
+        lines += ["Checkpoints: " + ", ".join(f"`{n}` ({p})" for n, p in checkpoints.items()), ""]
+    lines += ["Scores in %, greedy decoding; tokens/forward = generated tokens / decoding forward passes "
+              "(tau = 1.0 is plain AR: 1.00). Per-item outputs: `<checkpoint>/<benchmark>/tau=<tau>.jsonl`.", ""]
+    for bench, per_ckpt in by_benchmark(metrics).items():
+        lines += [f"## {bench}", ""] + _table(per_ckpt) + [""]
+        if bench in images:
+            lines += [f"![{bench}: accuracy vs tokens/forward]({images[bench].relative_to(out_dir).as_posix()})", ""]
+    if training is not None:
+        lines += ["## Training curves", "", f"![training curves]({training.relative_to(out_dir).as_posix()})", ""]
+    path = out_dir / "report.md"
+    fd, tmp = tempfile.mkstemp(prefix=".report.", dir=out_dir)
+    with os.fdopen(fd, "w") as fh:
+        fh.write("\n".join(lines))
+    os.replace(tmp, path)
+    return path
+
+
+def render_all(metrics: dict, out_dir: str | Path, *, train_metrics_dir: str | Path | None = None,
+               checkpoints: dict[str, str] | None = None) -> Path:
+    """Every PNG and report.md under ``out_dir``; returns the report's path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    images = {bench: plot_accuracy_vs_speed(bench, per_ckpt, out_dir / PLOTS / f"{bench}.png")
+              for bench, per_ckpt in by_benchmark(metrics).items()}
+    tsvs = {}
+    if train_metrics_dir is not None and Path(train_metrics_dir).is_dir():
+        tsvs = {p.stem.removeprefix("train_"): p for p in sorted(Path(train_metrics_dir).glob("train_*.tsv"))}
+    training = plot_training(tsvs, out_dir / PLOTS / "training.png") if tsvs else None
+    return write_report(metrics, out_dir, images, training, checkpoints)

@@ -1,0 +1,142 @@
+"""mars evaluate: metrics per checkpoint x benchmark x tau, traceable to the saved generations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mars import benchmarks, evaluate
+from mars.benchmarks import Benchmark, BenchmarkConfig, Item
+from mars.errors import ConfigError
+from mars.evaluate import EvalConfig, read_jsonl
+
+WORDS = 20
+ANSWER_LEN = 6
+
+
+def toy_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<|mask|>", "="] + [f"w{i}" for i in range(WORDS)])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
+
+
+def toy_answer(k: int) -> str:
+    """The toy task: after "wK =" count on, modulo the word count."""
+    return " ".join(f"w{(k + j) % WORDS}" for j in range(1, ANSWER_LEN + 1))
+
+
+def make_checkpoint(path: Path, *, trained: bool = True, stage: str = "ar_control", block_size: int = 4,
+                    seed: int = 0) -> Path:
+    """A tiny Llama trained with the plain AR loss on the toy task (``trained=False``: random weights),
+    saved as a MARS-contract checkpoint (config.mars + tokenizer with the mask token)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = toy_tokenizer()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=64, eos_token_id=tok.eos_token_id,
+                                         pad_token_id=tok.pad_token_id))
+    if trained:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny matrices: extra threads only contend on a shared machine
+        x = torch.tensor([tok(f"w{k} = {toy_answer(k)} <eos>")["input_ids"] for k in range(WORDS)])
+        labels = x.clone()
+        labels[:, :2] = -100
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(200):
+            loss = model(input_ids=x, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        torch.set_num_threads(threads)
+    model.config.mars = {"block_size": block_size, "mask_token_id": tok.convert_tokens_to_ids("<|mask|>"),
+                         "objective": "ar" if stage != "mars" else "mars", "w_ar": 1.0, "stage": stage,
+                         "block_offset": "fixed", "base": "toy"}
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@benchmarks.register
+class Toy(Benchmark):
+    """The toy counting task as a benchmark: token-id prompts, exact match."""
+
+    kind = "toy"
+
+    def items(self) -> list[Item]:
+        tok = toy_tokenizer()
+        pool = [Item(f"toy-{k}", tok(f"w{k} =")["input_ids"], toy_answer(k)) for k in range(WORDS)]
+        return self.sample(pool)
+
+    def score_one(self, item: Item, completion: str) -> float:
+        return float(completion.strip() == item.reference)
+
+
+@pytest.fixture(scope="module")
+def ar_checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "ar")
+
+
+def toy_config(**over) -> EvalConfig:
+    kw = dict(taus=[1.0, 0.8], batch_size=8, benchmarks={"toy": BenchmarkConfig(n=12, max_new_tokens=ANSWER_LEN + 1)})
+    kw.update(over)
+    return EvalConfig(**kw)
+
+
+def test_metrics_trace_back_to_the_saved_generations(ar_checkpoint, tmp_path):
+    train_tsv = tmp_path / "metrics" / "train_sft.tsv"
+    train_tsv.parent.mkdir()
+    train_tsv.write_text("step\tloss\tl_mask\tl_ar\tlr\ttokens_per_s\n1\t3.0\t\t3.0\t0.001\t100\n2\t2.5\t\t2.5\t0.001\t110\n")
+    metrics = evaluate.run({"ar_control": str(ar_checkpoint)}, toy_config(), data_dir=None, out_dir=tmp_path / "eval",
+                           metrics_path=tmp_path / "metrics" / "eval.json", train_metrics_dir=tmp_path / "metrics",
+                           log=lambda *_: None)
+    on_disk = json.loads((tmp_path / "metrics" / "eval.json").read_text())
+    assert on_disk == metrics
+    assert sorted(on_disk) == ["ar_control/toy/tau=0.8", "ar_control/toy/tau=1.0"]
+    for key, entry in on_disk.items():
+        ckpt, bench, tau = key.split("/")
+        rows = read_jsonl(tmp_path / "eval" / ckpt / bench / f"{tau}.jsonl")
+        assert len(rows) == entry["n"] == 12
+        tokens = sum(len(r["token_ids"]) for r in rows)
+        forwards = sum(r["forwards"] for r in rows)
+        assert entry["tokens"] == tokens and entry["forwards"] == forwards
+        assert entry["tokens_per_forward"] == pytest.approx(tokens / forwards)
+        assert entry["score"] == pytest.approx(sum(r["score"] for r in rows) / len(rows))
+        assert {"seconds", "tokens_per_s", "block_size", "tau"} <= set(entry)
+    # tau = 1.0 is plain greedy AR: one token per forward, and the trained model solves the task.
+    assert on_disk["ar_control/toy/tau=1.0"]["tokens_per_forward"] == 1.0
+    assert on_disk["ar_control/toy/tau=1.0"]["score"] == 1.0
+    plot_rows = json.loads((tmp_path / "eval" / "plots" / "toy" / "ar_control.json").read_text())
+    assert [r["tau"] for r in plot_rows] == [1.0, 0.8]
+    assert (tmp_path / "eval" / "plots" / "toy.png").stat().st_size > 1000
+    assert (tmp_path / "eval" / "plots" / "training.png").stat().st_size > 1000
+    report = (tmp_path / "eval" / "report.md").read_text()
+    assert "## toy" in report and "plots/toy.png" in report and "plots/training.png" in report
+
+
+def test_the_cli_reads_params_and_checkpoints(ar_checkpoint, tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(
+        "evaluate:\n  taus: [1.0]\n  benchmarks:\n    toy: {n: 3, max_new_tokens: 4}\n"
+    )
+    rc = evaluate.cli(["--params", str(params), "--checkpoint", f"sft={ar_checkpoint}", "--out", str(tmp_path / "e"),
+                       "--metrics", str(tmp_path / "m.json"), "--train-metrics", str(tmp_path / "none")])
+    assert rc == 0
+    assert list(json.loads((tmp_path / "m.json").read_text())) == ["sft/toy/tau=1.0"]
+
+
+def test_bad_arguments_and_config_are_named():
+    with pytest.raises(ConfigError, match="NAME=DIR"):
+        evaluate._parse_checkpoints(["checkpoints/mars"])
+    with pytest.raises(ConfigError, match="taus"):
+        EvalConfig(taus=[1.5])
+    with pytest.raises(ConfigError, match="none is enabled"):
+        EvalConfig(benchmarks={"heldout": BenchmarkConfig(enabled=False)})
