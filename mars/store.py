@@ -163,8 +163,11 @@ class Store:
         """Keys under ``prefix`` (complete objects only), sorted."""
         raise NotImplementedError
 
-    def check(self) -> None:
-        """Fail early, naming the store, when it cannot be read (no bucket, no access, no directory)."""
+    def check(self, create: bool = False) -> None:
+        """Fail early, naming the store, when it cannot be used (no bucket, no access, no directory).
+
+        ``create``: a directory store is created (the embedded default needs no setup); a bucket never is.
+        """
         raise NotImplementedError
 
     # -- content-addressed objects ---------------------------------------------------------------
@@ -228,7 +231,9 @@ class DirStore(Store):
         except FileNotFoundError:
             return None
 
-    def check(self) -> None:
+    def check(self, create: bool = False) -> None:
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
         if not self.root.is_dir():
             raise NotFound(f"{self.root}: store directory does not exist")
 
@@ -386,7 +391,7 @@ class S3Store(Store):
         except (ClientError, BotoCoreError) as err:
             raise self._fail(err, key, action) from None
 
-    def check(self) -> None:
+    def check(self, create: bool = False) -> None:
         try:
             self._call("head bucket", None, self.client.head_bucket, Bucket=self.bucket)
         except NotFound:  # HEAD has no error body: a bare 404 here means the bucket

@@ -94,7 +94,8 @@ def launch(data_dir: Path) -> S3Server:
         except RuntimeError:
             server.stop()
             continue
-        creds = dict(line.split(" = ", 1) for line in (data_dir / "credentials").read_text().splitlines() if " = " in line)
+        lines = (data_dir / "credentials").read_text().splitlines()
+        creds = dict(line.split(" = ", 1) for line in lines if " = " in line)
         server.access_key, server.secret_key = creds["aws_access_key_id"], creds["aws_secret_access_key"]
         return server
     raise RuntimeError(f"SeaweedFS did not start; see {data_dir}/weed.log")

@@ -15,7 +15,8 @@
 #
 # Credentials: generated once into $MARS_S3_DIR/s3.json (the server's identity file) and
 # $MARS_S3_DIR/credentials (AWS shared-credentials format, profile "mars-local"); `status` prints
-# how to point clients at them and never prints the keys.
+# how to point clients at them and never prints the keys. infra/s3/s3.json.example shows a server's
+# identity file with scoped rights (a CI identity that promotes, a read-only one for serving).
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)

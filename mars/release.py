@@ -1,0 +1,413 @@
+"""Releases: ``mars promote`` publishes a gated model to the store, ``mars pull`` fetches it verified.
+
+Store layout (see :mod:`mars.store` for the URI and the object store):
+
+- ``objects/sha256/..``                       every file, once, under the hash of its bytes
+- ``releases/<name>/<version>/manifest.json`` one per release, never rewritten: file list with
+  sha256 and size, gate numbers, block size B, default tau, source revision
+- ``stages/<name>/<stage>.json``              the stage pointer: version + sha256 of its manifest
+
+A promote uploads the objects, then creates the manifest (create-only: racing promotes get distinct
+versions), and only then replaces the stage pointer, one whole-object write. A crash at any point
+leaves the pointer on the previous release, whose objects are untouched, so it stays pullable. A
+pull checks the manifest against the pointer's hash and every file against the manifest, and
+renames the finished directory into place.
+
+A pulled release directory::
+
+    DIR/release.json      the manifest (its sha256 is the pointer's manifest_sha256)
+    DIR/export/           the export as `mars export` wrote it (model.onnx, manifest.json, engine if built)
+    DIR/checkpoint/       the MARS checkpoint (save_pretrained + tokenizer files)
+    DIR/tokenizer/        the tokenizer alone, for a service that only runs the export
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path, PurePosixPath
+
+from mars.config import add_params_arguments, params_from_args
+from mars.errors import MarsError
+from mars.store import (IntegrityError, NotFound, Store, StoreConfig, iter_files, object_key, open_store,
+                        sha256_file, store_config)
+
+RELEASE_FORMAT = 1
+MANIFEST_FILE = "release.json"
+GROUPS = ("export", "checkpoint", "tokenizer")
+# What a Hugging Face tokenizer saves; copied out of the checkpoint into tokenizer/.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
+ENGINE_SUFFIXES = {".onnx": "onnx", ".engine": "tensorrt", ".plan": "tensorrt", ".ep": "torch_tensorrt"}
+VERSION_RE = re.compile(r"^v(\d+)$")
+
+
+class ReleaseError(MarsError):
+    pass
+
+
+def manifest_key(name: str, version: str) -> str:
+    return f"releases/{name}/{version}/manifest.json"
+
+
+def pointer_key(name: str, stage: str) -> str:
+    return f"stages/{name}/{stage}.json"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# -- what goes into a release -----------------------------------------------------------------------
+def gate_decision(path: str | Path) -> dict:
+    """The gate's decision file, if it allows promotion: ``passed: true`` or a recorded override."""
+    path = Path(path)
+    try:
+        gate = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ReleaseError(f"{path}: no gate decision (run `mars gate` first)") from None
+    except ValueError as err:
+        raise ReleaseError(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(gate, dict) or "passed" not in gate:
+        raise ReleaseError(f"{path}: not a gate decision (no 'passed' key)")
+    override = gate.get("override")
+    if gate["passed"] is True:
+        return gate
+    if isinstance(override, dict) and override.get("enabled") is True and override.get("reason"):
+        return gate
+    raise ReleaseError(f"{path}: the gate did not pass (passed: {gate['passed']!r}, no recorded override); "
+                       "refusing to promote")
+
+
+def checkpoint_info(checkpoint: Path) -> dict:
+    """The ``mars`` section of a checkpoint's config.json (block size, mask token, stage ...)."""
+    config = checkpoint / "config.json"
+    try:
+        mars = json.loads(config.read_text()).get("mars")
+    except FileNotFoundError:
+        raise ReleaseError(f"{checkpoint}: not a model checkpoint (no config.json)") from None
+    except ValueError as err:
+        raise ReleaseError(f"{config}: not valid JSON: {err}") from None
+    if not isinstance(mars, dict) or "block_size" not in mars or "mask_token_id" not in mars:
+        raise ReleaseError(f"{config}: not a MARS checkpoint (no mars.block_size / mars.mask_token_id)")
+    return mars
+
+
+def check_export(export: Path, checkpoint: Path, block_size: int) -> dict:
+    """The export's manifest, after checking it was made from ``checkpoint`` (same files, same B)."""
+    from mars.export import checkpoint_sha256
+
+    manifest = export / "manifest.json"
+    try:
+        info = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        raise ReleaseError(f"{export}: not an export (no manifest.json; run `mars export`)") from None
+    except ValueError as err:
+        raise ReleaseError(f"{manifest}: not valid JSON: {err}") from None
+    try:
+        exported_b, exported_from = int(info["mars"]["block_size"]), str(info["checkpoint"]["sha256"])
+    except (TypeError, KeyError, ValueError):
+        raise ReleaseError(f"{manifest}: not an export manifest (no mars.block_size / checkpoint.sha256)") from None
+    if exported_b != block_size:
+        raise ReleaseError(f"{manifest}: block_size {exported_b} differs from the checkpoint's {block_size} "
+                           f"({checkpoint}/config.json): export the checkpoint you promote")
+    if exported_from != checkpoint_sha256(checkpoint):
+        raise ReleaseError(f"{manifest}: the export was made from a different checkpoint than {checkpoint} "
+                           "(checkpoint.sha256 differs): export the checkpoint you promote")
+    return info
+
+
+def source_revision(repo: Path = Path(".")) -> dict:
+    """The git commit (and whether the tree was dirty) and the dvc.lock hash the release came from."""
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    lock = repo / "dvc.lock"
+    return {
+        "git_commit": commit,
+        "git_dirty": bool(status) if status is not None else None,
+        "dvc_lock_sha256": sha256_file(lock) if lock.is_file() else None,
+    }
+
+
+def collect_files(export: Path, checkpoint: Path, tokenizer: Path | None) -> dict[str, Path]:
+    """Release path -> local file, for the three groups of a release."""
+    for label, path in (("export", export), ("checkpoint", checkpoint), ("tokenizer", tokenizer)):
+        if path is not None and not path.is_dir():
+            raise ReleaseError(f"{path}: {label} directory does not exist")
+    files = {f"export/{p.relative_to(export).as_posix()}": p for p in iter_files(export)}
+    files.update({f"checkpoint/{p.relative_to(checkpoint).as_posix()}": p for p in iter_files(checkpoint)})
+    tok_dir = tokenizer or checkpoint
+    tok_files = [p for p in iter_files(tok_dir) if tokenizer is not None or p.name in TOKENIZER_FILES]
+    if not tok_files:
+        raise ReleaseError(f"{tok_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])} ...); pass --tokenizer")
+    files.update({f"tokenizer/{p.relative_to(tok_dir).as_posix()}": p for p in tok_files})
+    return files
+
+
+# -- promote / rollback ---------------------------------------------------------------------------
+def _versions(store: Store, name: str) -> list[str]:
+    found = set()
+    for key in store.list(f"releases/{name}/"):
+        parts = key.split("/")
+        if len(parts) == 4 and parts[3] == "manifest.json" and VERSION_RE.match(parts[2]):
+            found.add(parts[2])
+    return sorted(found, key=lambda v: int(v[1:]))
+
+
+def _read_pointer(store: Store, name: str, stage: str) -> dict | None:
+    try:
+        return store.get_json(pointer_key(name, stage))[0]
+    except NotFound as err:
+        if "no such bucket" in str(err):
+            raise
+        return None
+
+
+def _move_pointer(store: Store, name: str, stage: str, version: str, manifest_sha256: str, action: str) -> dict:
+    current = _read_pointer(store, name, stage)
+    pointer = {"name": name, "stage": stage, "version": version, "manifest_sha256": manifest_sha256,
+               "moved_at": _now(), "action": action, "previous": current.get("version") if current else None}
+    store.put_json(pointer_key(name, stage), pointer)
+    return pointer
+
+
+def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: str | Path,
+            tokenizer: str | Path | None = None, name: str = "mars", stage: str = "prod",
+            tau: float | None = None, repo: str | Path = ".", log=print) -> dict:
+    """Publish a gated release and move ``stage`` to it; returns the stage pointer written."""
+    decision = gate_decision(gate)
+    export, checkpoint = Path(export), Path(checkpoint)
+    model = checkpoint_info(checkpoint)
+    block_size = int(model["block_size"])
+    files = collect_files(export, checkpoint, Path(tokenizer) if tokenizer else None)
+    check_export(export, checkpoint, block_size)
+    if tau is None:  # the tau the gate vouched for: its speed check's if it ran one, else the lossless one
+        tau = decision.get("speed_tau") if decision.get("speed_tau") is not None else decision.get("tau", 1.0)
+    store.check(create=True)
+
+    entries, uploaded, uploaded_bytes = {}, 0, 0
+    for rel, path in files.items():
+        size = path.stat().st_size
+        digest = sha256_file(path)
+        entries[rel] = {"sha256": digest, "size": size}
+        if store.put_object(path, digest, size):
+            uploaded, uploaded_bytes = uploaded + 1, uploaded_bytes + size
+    engines = {}
+    for rel in entries:
+        kind = ENGINE_SUFFIXES.get(PurePosixPath(rel).suffix)
+        if rel.startswith("export/") and kind:
+            engines.setdefault(kind, rel)
+
+    manifest = {
+        "format": RELEASE_FORMAT,
+        "name": name,
+        "stage": stage,
+        "created_at": _now(),
+        "block_size": block_size,
+        "tau": float(tau),
+        "mask_token_id": int(model["mask_token_id"]),
+        "model": model,
+        "engines": engines,
+        "gate": decision,
+        "source": source_revision(Path(repo)),
+        "files": entries,
+    }
+    # Claim the next free version: the manifest write is create-only, a concurrent promote that
+    # took the same number makes this one try the next.
+    for _ in range(100):
+        versions = _versions(store, name)
+        version = f"v{int(versions[-1][1:]) + 1 if versions else 1}"
+        written, manifest_sha256 = store.put_json(manifest_key(name, version), {**manifest, "version": version},
+                                                  if_absent=True)
+        if written:
+            break
+    else:
+        raise ReleaseError(f"{store.where(f'releases/{name}/')}: could not claim a new version "
+                           "(too many concurrent promotes)")
+    pointer = _move_pointer(store, name, stage, version, manifest_sha256, "promote")
+    total = sum(e["size"] for e in entries.values())
+    log(f"promoted {name} {version} -> {stage} in {store.uri}: {len(entries)} files ({total / 2**20:.1f} MB), "
+        f"{uploaded} uploaded ({uploaded_bytes / 2**20:.1f} MB), previous: {pointer['previous'] or 'none'}")
+    return pointer
+
+
+def rollback(store: Store, *, version: str, name: str = "mars", stage: str = "prod", log=print) -> dict:
+    """Move ``stage`` back to an earlier release after checking its manifest and objects are complete."""
+    store.check()
+    try:
+        manifest, manifest_sha256 = store.get_json(manifest_key(name, version))
+    except NotFound:
+        known = ", ".join(_versions(store, name)) or "none"
+        raise ReleaseError(f"{store.where(manifest_key(name, version))}: no release {name} {version} "
+                           f"(releases: {known})") from None
+    for rel, entry in _manifest_files(manifest, store.where(manifest_key(name, version))).items():
+        key = object_key(entry["sha256"])
+        stored = store.size(key)
+        if stored != entry["size"]:
+            state = "missing" if stored is None else f"{stored} bytes, expected {entry['size']}"
+            raise IntegrityError(f"{store.where(key)} ({rel}): {state}; refusing to roll {stage} back to {version}")
+    pointer = _move_pointer(store, name, stage, version, manifest_sha256, "rollback")
+    log(f"rolled {name} {stage} back to {version} (was {pointer['previous'] or 'none'})")
+    return pointer
+
+
+# -- pull -----------------------------------------------------------------------------------------
+def _manifest_files(manifest: dict, where: str) -> dict:
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise IntegrityError(f"{where}: release manifest lists no files")
+    for rel, entry in files.items():
+        parts = PurePosixPath(rel).parts
+        if PurePosixPath(rel).is_absolute() or ".." in parts or not parts or parts[0] not in GROUPS:
+            raise IntegrityError(f"{where}: unsafe file path {rel!r} in the manifest, refused")
+        if not isinstance(entry, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256"))) \
+                or not isinstance(entry.get("size"), int):
+            raise IntegrityError(f"{where}: bad entry for {rel!r} in the manifest, refused")
+    return files
+
+
+def resolve_release(store: Store, name: str, stage: str | None = None,
+                    version: str | None = None) -> tuple[dict, bytes]:
+    """The verified manifest (and its exact bytes) of ``version``, or of what ``stage`` points to."""
+    store.check()
+    expected = None
+    if version is None:
+        stage = stage or "prod"
+        pointer = _read_pointer(store, name, stage)
+        if pointer is None:
+            raise NotFound(f"{store.where(pointer_key(name, stage))}: no release of {name} at stage {stage}")
+        version, expected = pointer.get("version"), pointer.get("manifest_sha256")
+        if not isinstance(version, str) or not VERSION_RE.match(version):
+            raise IntegrityError(f"{store.where(pointer_key(name, stage))}: bad stage pointer")
+    key = manifest_key(name, version)
+    data = store.get_bytes(key)
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise IntegrityError(f"{store.where(key)}: manifest does not match the stage pointer's sha256: "
+                             "tampered or corrupt, refused")
+    try:
+        manifest = json.loads(data)
+    except ValueError:
+        raise IntegrityError(f"{store.where(key)}: not valid JSON (corrupt manifest)") from None
+    if not isinstance(manifest, dict) or manifest.get("name") != name or manifest.get("version") != version:
+        raise IntegrityError(f"{store.where(key)}: manifest is not {name} {version}, refused")
+    _manifest_files(manifest, store.where(key))
+    return manifest, data
+
+
+def pull(store: Store, name: str, dest: str | Path, *, stage: str | None = "prod", version: str | None = None,
+         log=print) -> dict:
+    """Download a release into ``dest``, verifying every file; ``dest`` appears complete or not at all.
+
+    An existing ``dest`` is replaced only if it holds a previous pull (a release.json).
+    """
+    dest = Path(dest).absolute()
+    if dest.exists() and not (dest.is_dir() and (not any(dest.iterdir()) or (dest / MANIFEST_FILE).is_file())):
+        raise ReleaseError(f"{dest}: exists and is not a pulled release; refusing to replace it")
+    manifest, data = resolve_release(store, name, stage, version)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.pull-", dir=dest.parent))
+    try:
+        for rel, entry in manifest["files"].items():
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            store.get_object(entry["sha256"], entry["size"], target, label=rel)
+        (tmp / MANIFEST_FILE).write_bytes(data)
+        _swap_into(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"pulled {name} {manifest['version']} ({stage if version is None else 'pinned'}) from {store.uri} "
+        f"into {dest}: {len(manifest['files'])} files verified")
+    return manifest
+
+
+def _swap_into(tmp: Path, dest: Path) -> None:
+    """Put the finished ``tmp`` at ``dest``; the old content is moved aside first, then removed."""
+    if not dest.exists():
+        tmp.rename(dest)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+    old.rmdir()
+    dest.rename(old)
+    try:
+        tmp.rename(dest)
+    except BaseException:
+        old.rename(dest)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def list_releases(store: Store, name: str | None = None) -> list[str]:
+    """One line per release (newest last), marking where each stage points."""
+    names = [name] if name else sorted({k.split("/")[1] for k in store.list("releases/") if k.count("/") >= 3})
+    lines = []
+    for n in names:
+        stages: dict[str, list[str]] = {}
+        for key in store.list(f"stages/{n}/"):
+            stage = PurePosixPath(key).stem
+            pointer = _read_pointer(store, n, stage)
+            if pointer:
+                stages.setdefault(pointer.get("version"), []).append(stage)
+        for version in _versions(store, n):
+            manifest, _ = store.get_json(manifest_key(n, version))
+            gate = manifest.get("gate", {})
+            verdict = "override" if gate.get("overridden") or not gate.get("passed") else "pass"
+            marks = f"  <- {', '.join(sorted(stages.get(version, [])))}" if version in stages else ""
+            lines.append(f"{n} {version}  {manifest.get('created_at')}  B={manifest.get('block_size')} "
+                         f"tau={manifest.get('tau')} gate={verdict} "
+                         f"files={len(manifest.get('files', {}))}{marks}")
+    return lines
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+def cli(argv: list[str], verb: str = "promote") -> int:
+    if verb == "pull":
+        parser = argparse.ArgumentParser(prog="mars pull",
+                                         description="Fetch a promoted release, verified, into a directory.")
+        parser.add_argument("name", help="release name (e.g. mars)")
+        which = parser.add_mutually_exclusive_group()
+        which.add_argument("--stage", help="stage pointer to follow (default: store.stage)")
+        which.add_argument("--version", help="a specific release version (e.g. v3) instead of a stage")
+        parser.add_argument("--to", required=True, help="destination directory (replaced atomically)")
+    else:
+        parser = argparse.ArgumentParser(
+            prog="mars promote",
+            description="Publish a gated release to the artifact store and move the stage pointer to it.")
+        parser.add_argument("--gate", default="metrics/gate.json", help="gate decision (default: metrics/gate.json)")
+        parser.add_argument("--export", default="exports/mars", help="export directory (default: exports/mars)")
+        parser.add_argument("--checkpoint", default="checkpoints/mars/final", help="MARS checkpoint directory")
+        parser.add_argument("--tokenizer", help="tokenizer directory (default: the tokenizer files of the checkpoint)")
+        parser.add_argument("--name", help="release name (default: store.name)")
+        parser.add_argument("--stage", help="stage pointer to move (default: store.stage)")
+        parser.add_argument("--tau", type=float, help="default decoding threshold recorded in the release "
+                                                      "(default: the gate's speed_tau if it checked one, else its tau)")
+        parser.add_argument("--rollback", metavar="VERSION", help="move the stage back to an earlier release instead")
+    add_params_arguments(parser)
+    parser.add_argument("--store", help="store URI (default: $MARS_STORE_URI or store.uri)")
+    args = parser.parse_args(argv)
+    cfg: StoreConfig = store_config(params_from_args(args), args.store)
+    store = open_store(cfg)
+    if verb == "pull":
+        pull(store, args.name, args.to, stage=args.stage or cfg.stage if args.version is None else None,
+             version=args.version)
+        return 0
+    name, stage = args.name or cfg.name, args.stage or cfg.stage
+    if args.rollback:
+        rollback(store, version=args.rollback, name=name, stage=stage)
+        return 0
+    promote(store, gate=args.gate, export=args.export, checkpoint=args.checkpoint, tokenizer=args.tokenizer,
+            name=name, stage=stage, tau=args.tau)
+    return 0

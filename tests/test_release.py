@@ -1,0 +1,353 @@
+"""Releases: promote a gated export + checkpoint, pull it verified, survive crashes, races and tampering.
+
+Every behaviour runs against a local directory store and a real S3 server (SeaweedFS); the inputs are
+small fake export/checkpoint directories (the store moves files, it does not make them), except the
+round trip at the end, which decodes with a real tiny model pulled back from S3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from s3_server import REPO, launch, s3_server, store_uri, use_server  # noqa: F401  (pytest fixtures)
+
+from mars.export import checkpoint_sha256
+from mars.release import (IntegrityError, ReleaseError, cli, list_releases, manifest_key, pointer_key, promote,
+                          pull, rollback)
+from mars.store import StoreConfig, object_key, open_store
+
+MB = 1024 * 1024
+MARS = {"block_size": 4, "mask_token_id": 95, "objective": "mars", "w_ar": 1.0, "stage": "mars",
+        "block_offset": "fixed", "base": "tiny"}
+GATE = {"passed": True, "checks_passed": True, "overridden": False,
+        "override": {"enabled": False, "reason": "", "by": ""}, "candidate": "mars", "baseline": "ar_control",
+        "tau": 1.0, "speed_tau": 0.8, "checks": [{"name": "average", "value": 0.61, "limit": 0.58, "passed": True}]}
+
+
+def _bytes(seed: str, size: int) -> bytes:
+    return hashlib.shake_256(seed.encode()).digest(size)
+
+
+def make_inputs(root: Path, seed: str, weights_size: int = 20_000, gate: dict = GATE) -> dict:
+    """A fake gate decision, MARS checkpoint and export of it, distinct per ``seed``."""
+    ckpt, export = root / "checkpoint", root / "export"
+    for d in (ckpt, export):
+        d.mkdir(parents=True)
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "mars": MARS}))
+    (ckpt / "model.safetensors").write_bytes(_bytes(f"weights-{seed}", weights_size))
+    (ckpt / "tokenizer.json").write_text(json.dumps({"model": "bpe", "seed": seed}))
+    (ckpt / "tokenizer_config.json").write_text("{}")
+    (export / "model.onnx").write_bytes(_bytes(f"onnx-{seed}", 5000))
+    (export / "config.json").write_text(json.dumps({"mars": MARS}))
+    (export / "manifest.json").write_text(json.dumps({"format_version": 1, "mars": MARS,
+                                                      "checkpoint": {"sha256": checkpoint_sha256(ckpt)}}))
+    (root / "gate.json").write_text(json.dumps(gate))
+    return {"gate": root / "gate.json", "export": export, "checkpoint": ckpt}
+
+
+def expected_tree(inputs: dict) -> dict[str, bytes]:
+    """What a pull of ``inputs`` must produce (release path -> bytes)."""
+    tree = {}
+    for group in ("export", "checkpoint"):
+        tree.update({f"{group}/{p.name}": p.read_bytes() for p in inputs[group].iterdir()})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        tree[f"tokenizer/{name}"] = (inputs["checkpoint"] / name).read_bytes()
+    return tree
+
+
+def pulled_tree(dest: Path) -> dict[str, bytes]:
+    return {p.relative_to(dest).as_posix(): p.read_bytes() for p in dest.rglob("*")
+            if p.is_file() and p.name != "release.json"}
+
+
+def quiet(*_args) -> None:
+    pass
+
+
+def run_mars(verb: str, *args: str, cwd: Path, params: dict | None = None, env: dict | None = None,
+             wait: bool = True):
+    """``mars VERB ...`` in a subprocess with its own params file (store section ``params``)."""
+    params_file = cwd / f"params-{verb}.yaml"
+    params_file.write_text(json.dumps({"store": params or {}}))
+    cmd = [sys.executable, "-m", "mars.cli", verb, "--params", str(params_file), *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err
+
+
+def promote_args(inputs: dict, store_uri: str) -> list[str]:
+    return ["--gate", str(inputs["gate"]), "--export", str(inputs["export"]), "--checkpoint",
+            str(inputs["checkpoint"]), "--store", store_uri]
+
+
+def wait_for_partial_upload(store, proc, timeout: float = 90) -> None:
+    """Block until ``proc`` is visibly midway through uploading an object (temp file / open multipart upload)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"promote ended before the upload was caught midway: {proc.communicate()}"
+        if store.uri.startswith("s3://"):
+            if store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads"):
+                return
+        elif any(p.stat().st_size > 0 for p in (store.root / "objects").rglob(".*.tmp")):
+            return
+        time.sleep(0.05)
+    raise AssertionError("no upload in progress seen")
+
+
+def assert_serves(store_uri: str, inputs: dict, dest: Path, **kwargs) -> dict:
+    manifest = pull(open_store(store_uri), "mars", dest, log=quiet, **kwargs)
+    assert pulled_tree(dest) == expected_tree(inputs)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+def test_promote_pull_history_and_rollback(store_uri, tmp_path):
+    store = open_store(StoreConfig(uri=store_uri))
+    first, second = make_inputs(tmp_path / "a", "a"), make_inputs(tmp_path / "b", "b")
+    pointer = promote(store, **first, repo=REPO, log=quiet)
+    assert (pointer["version"], pointer["previous"]) == ("v1", None)
+
+    dest = tmp_path / "service" / "model"
+    assert cli(["mars", "--stage", "prod", "--to", str(dest), "--store", store_uri, "--params",
+                str(REPO / "params.yaml")], verb="pull") == 0
+    assert pulled_tree(dest) == expected_tree(first)
+    manifest = json.loads((dest / "release.json").read_bytes())
+    assert hashlib.sha256((dest / "release.json").read_bytes()).hexdigest() == pointer["manifest_sha256"]
+    assert {k: manifest[k] for k in ("name", "version", "stage", "block_size", "tau", "mask_token_id")} == \
+        {"name": "mars", "version": "v1", "stage": "prod", "block_size": 4, "tau": 0.8, "mask_token_id": 95}
+    assert manifest["gate"] == GATE and manifest["engines"] == {"onnx": "export/model.onnx"}
+    assert manifest["files"]["export/model.onnx"] == {
+        "sha256": hashlib.sha256(_bytes("onnx-a", 5000)).hexdigest(), "size": 5000}
+    assert len(manifest["source"]["git_commit"]) == 40
+
+    pointer = promote(store, **second, log=quiet)
+    assert (pointer["version"], pointer["previous"]) == ("v2", "v1")
+    assert_serves(store_uri, second, dest)  # the earlier pull is replaced as a whole
+    assert_serves(store_uri, first, tmp_path / "pinned", stage=None, version="v1")
+
+    rollback(store, version="v1", log=quiet)
+    assert_serves(store_uri, first, dest)
+    lines = list_releases(store, "mars")
+    assert [line.split()[:2] for line in lines] == [["mars", "v1"], ["mars", "v2"]]
+    assert lines[0].endswith("files=9  <- prod") and lines[1].endswith("files=9")
+    with pytest.raises(ReleaseError, match=r"no release mars v7 \(releases: v1, v2\)"):
+        rollback(store, version="v7", log=quiet)
+
+
+def test_only_a_passing_gate_is_promoted(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    failed = {**GATE, "passed": False, "checks_passed": False}
+    inputs = make_inputs(tmp_path / "f", "f", gate=failed)
+    with pytest.raises(ReleaseError, match=rf"{inputs['gate']}: the gate did not pass"):
+        promote(store, **inputs, log=quiet)
+    assert not (tmp_path / "store").exists()  # nothing uploaded
+
+    inputs["gate"].write_text(json.dumps({**failed, "overridden": True,
+                                          "override": {"enabled": True, "reason": "hotfix", "by": "lead"}}))
+    promote(store, **inputs, log=quiet)
+    manifest = open_store(str(tmp_path / "store")).get_json(manifest_key("mars", "v1"))[0]
+    assert manifest["gate"]["override"]["by"] == "lead"
+
+    other = make_inputs(tmp_path / "o", "o")
+    with pytest.raises(ReleaseError, match="made from a different checkpoint"):
+        promote(store, gate=other["gate"], export=other["export"], checkpoint=inputs["checkpoint"], log=quiet)
+    (other["gate"]).unlink()
+    with pytest.raises(ReleaseError, match="no gate decision"):
+        promote(store, **other, log=quiet)
+
+
+def test_pull_refuses_tampered_or_partial_releases(store_uri, tmp_path):
+    store = open_store(StoreConfig(uri=store_uri))
+    first, second = make_inputs(tmp_path / "a", "a"), make_inputs(tmp_path / "b", "b")
+    promote(store, **first, log=quiet)
+    dest = tmp_path / "model"
+    assert_serves(store_uri, first, dest)
+    promote(store, **second, log=quiet)
+
+    weights = hashlib.sha256((second["checkpoint"] / "model.safetensors").read_bytes()).hexdigest()
+    overwrite(store, object_key(weights), b"\x00" * 20_000)
+    tampered = rf"{object_key(weights)} \(checkpoint/model.safetensors\): sha256 mismatch"
+    with pytest.raises(IntegrityError, match=tampered):
+        pull(store, "mars", dest, log=quiet)
+    assert pulled_tree(dest) == expected_tree(first)  # the earlier pull is untouched
+    assert not [p.name for p in dest.parent.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+    overwrite(store, object_key(weights), b"\x00" * 100)  # a partial object
+    with pytest.raises(IntegrityError, match="100 bytes, the release records 20000"):
+        pull(store, "mars", tmp_path / "fresh", log=quiet)
+    assert not (tmp_path / "fresh").exists()
+    with pytest.raises(IntegrityError, match="refusing to roll prod back to v2"):
+        rollback(store, version="v2", log=quiet)
+
+    assert_serves(store_uri, first, tmp_path / "v1", stage=None, version="v1")  # the previous release still serves
+    rollback(store, version="v1", log=quiet)
+    assert_serves(store_uri, first, dest)
+
+    manifest, _ = store.get_json(manifest_key("mars", "v1"))
+    manifest["files"]["export/model.onnx"]["sha256"] = weights  # point a file at other bytes
+    overwrite(store, manifest_key("mars", "v1"), json.dumps(manifest).encode())
+    with pytest.raises(IntegrityError, match=r"manifests?.*does not match the stage pointer"):
+        pull(store, "mars", dest, log=quiet)
+
+
+def overwrite(store, key: str, data: bytes) -> None:
+    """Change a stored object behind the store's back."""
+    if store.uri.startswith("s3://"):
+        store.client.put_object(Bucket=store.bucket, Key=store._key(key), Body=data)
+    else:
+        (store.root / key).write_bytes(data)
+
+
+def test_promote_killed_midway_leaves_the_previous_release(store_uri, tmp_path):
+    store = open_store(StoreConfig(uri=store_uri))
+    first = make_inputs(tmp_path / "a", "a")
+    promote(store, **first, log=quiet)
+    big = make_inputs(tmp_path / "big", "big", weights_size=24 * MB)
+    slow = {"max_bandwidth_mb": 6, "multipart_threshold_mb": 5, "multipart_chunk_mb": 5}
+    proc = run_mars("promote", *promote_args(big, store_uri), cwd=tmp_path, params=slow, wait=False)
+    try:
+        wait_for_partial_upload(store, proc)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    assert store.get_json(pointer_key("mars", "prod"))[0]["version"] == "v1"
+    assert assert_serves(store_uri, first, tmp_path / "served")["version"] == "v1"
+    weights = hashlib.sha256((big["checkpoint"] / "model.safetensors").read_bytes()).hexdigest()
+    assert object_key(weights) not in store.list("objects/")
+    # the leftovers do not get in the way of the next promote
+    rc, out, err = run_mars("promote", *promote_args(big, store_uri), cwd=tmp_path)
+    assert rc == 0, err
+    assert "promoted mars v2 -> prod" in out
+    assert_serves(store_uri, big, tmp_path / "served")
+
+
+@pytest.mark.s3
+def test_server_stopped_during_promote(tmp_path, monkeypatch):
+    server = launch(tmp_path / "seaweedfs")
+    try:
+        use_server(server, monkeypatch)
+        uri = f"s3://{server.make_bucket()}/mars"
+        store = open_store(uri)
+        first = make_inputs(tmp_path / "a", "a")
+        promote(store, **first, log=quiet)
+        big = make_inputs(tmp_path / "big", "big", weights_size=24 * MB)
+        params = {"max_bandwidth_mb": 6, "multipart_threshold_mb": 5, "multipart_chunk_mb": 5, "max_attempts": 2,
+                  "connect_timeout_s": 2}
+        proc = run_mars("promote", *promote_args(big, uri), cwd=tmp_path, params=params, wait=False)
+        wait_for_partial_upload(store, proc)
+        server.stop()
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1
+        assert f"mars promote: error: {uri}/objects/sha256/" in err and "upload failed" in err
+        assert err.count("\n") == 1  # one clear line, no traceback
+        assert not any(s in out + err for s in (server.secret_key, server.access_key, server.endpoint))
+        server.start()
+        assert assert_serves(uri, first, tmp_path / "served")["version"] == "v1"
+    finally:
+        server.stop()
+
+
+@pytest.mark.s3
+def test_credentials_and_bucket_errors_name_what_failed_and_leak_nothing(s3_server, monkeypatch, tmp_path):
+    use_server(s3_server, monkeypatch)
+    bucket = s3_server.make_bucket()
+    inputs = make_inputs(tmp_path / "a", "a")
+    uri = f"s3://{bucket}/mars"
+    rc, out, err = run_mars("promote", *promote_args(inputs, uri), cwd=tmp_path)
+    assert rc == 0, err
+    secrets = (s3_server.secret_key, s3_server.access_key)
+    wrong = {"AWS_SECRET_ACCESS_KEY": "0" * 40}
+    outputs = [out, err]
+    for verb, args in (("promote", promote_args(inputs, uri)),
+                       ("pull", ["mars", "--to", str(tmp_path / "x"), "--store", uri])):
+        rc, out, err = run_mars(verb, *args, cwd=tmp_path, env=wrong)
+        assert rc == 1 and f"s3://{bucket}" in err and "access denied" in err, err
+        assert "0" * 40 not in out + err
+        outputs += [out, err]
+    rc, out, err = run_mars("promote", *promote_args(inputs, "s3://no-such-bucket/mars"), cwd=tmp_path)
+    assert rc == 1 and "s3://no-such-bucket: no such bucket" in err, err
+    outputs += [out, err]
+
+    pulled = tmp_path / "pulled"
+    pull(open_store(uri), "mars", pulled, log=quiet)
+    stored = [open_store(uri).get_bytes(key) for key in open_store(uri).list("") if not key.startswith("objects/")]
+    files = [p.read_bytes() for p in pulled.rglob("*") if p.is_file()]
+    for blob in [o.encode() for o in outputs] + stored + files:
+        assert not any(s.encode() in blob for s in secrets)
+        assert s3_server.endpoint.encode() not in blob
+
+
+def test_racing_promotes_end_with_one_coherent_release(store_uri, tmp_path):
+    store = open_store(StoreConfig(uri=store_uri))
+    promote(store, **make_inputs(tmp_path / "base", "base"), log=quiet)
+    racers = [make_inputs(tmp_path / name, name, weights_size=2 * MB) for name in ("x", "y")]
+    procs = [run_mars("promote", *promote_args(inputs, store_uri), cwd=tmp_path / name, wait=False)
+             for name, inputs in zip(("x", "y"), racers)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    versions = {store.get_json(manifest_key("mars", v))[0]["files"]["checkpoint/model.safetensors"]["sha256"]: v
+                for v in ("v2", "v3")}
+    assert len(versions) == 2  # each racer got its own release; none overwrote the other
+    served = pull(store, "mars", tmp_path / "served", log=quiet)
+    winner = next(i for i in racers if served["version"] == versions[
+        hashlib.sha256((i["checkpoint"] / "model.safetensors").read_bytes()).hexdigest()])
+    assert pulled_tree(tmp_path / "served") == expected_tree(winner)
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_round_trip_of_a_real_model_through_s3(s3_server, monkeypatch, tmp_path):
+    """Promote a real tiny MARS checkpoint and its ONNX export, pull it elsewhere, decode with both."""
+    import torch
+    from conftest import tiny_model
+
+    from mars.decoding import generate
+    from mars.engine import ExportedBlock
+    from mars.export import ExportConfig, export_checkpoint
+    from mars.mask_token import add_mask_token
+    from mars.models import load_model
+    from mars.tiny import train_tokenizer
+
+    use_server(s3_server, monkeypatch)
+    uri = f"s3://{s3_server.make_bucket()}/mars"
+    texts = [f"{a} plus {b} is {a + b}. the cat sat on the mat." for a in range(30) for b in range(3)]
+    tokenizer = train_tokenizer(texts, vocab_size=300)
+    model = tiny_model("llama", vocab=len(tokenizer) + 8)
+    info = add_mask_token(model, tokenizer)
+    model.config.mars = {**MARS, "mask_token_id": info.token_id}
+    model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    ckpt = tmp_path / "checkpoints" / "mars" / "final"
+    model.save_pretrained(ckpt)
+    tokenizer.save_pretrained(ckpt)
+    export_checkpoint(ckpt, tmp_path / "exports" / "mars",
+                      ExportConfig(batch_size=2, window=8, max_context=64, tensorrt=False, latency_iters=1), log=quiet)
+    (tmp_path / "gate.json").write_text(json.dumps(GATE))
+
+    promote(open_store(uri), gate=tmp_path / "gate.json", export=tmp_path / "exports" / "mars", checkpoint=ckpt,
+            log=quiet)
+    dest = tmp_path / "elsewhere" / "release"
+    manifest = pull(open_store(uri), "mars", dest, log=quiet)
+
+    prompts = ["3 plus 4 is", "the cat"]
+    kwargs = dict(tau=manifest["tau"], max_new_tokens=12, block_size=manifest["block_size"])
+    with torch.no_grad():
+        reference = generate(model, tokenizer, prompts, **kwargs)
+        pulled_model, pulled_tokenizer = load_model(dest / "checkpoint", dtype="float32")
+        from_checkpoint = generate(pulled_model, pulled_tokenizer, prompts, **kwargs)
+    engine = ExportedBlock(dest / "export")  # verifies the export's own checksums, loads model.onnx
+    from_export = engine.generate(prompts, **kwargs)
+    assert [r.token_ids for r in from_checkpoint] == [r.token_ids for r in reference]
+    assert [r.token_ids for r in from_export] == [r.token_ids for r in reference]
+    assert all(len(r.token_ids) > 0 for r in reference)
