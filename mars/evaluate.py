@@ -10,7 +10,7 @@ For each checkpoint (``--checkpoint NAME=DIR``, e.g. sft, ar_control, mars), eac
   ``tokens_per_forward`` (generated tokens / decoding forwards, summed over items), ``tokens``,
   ``forwards``, ``seconds`` (decoding wall clock), ``tokens_per_s``, ``n``, ``tau``, ``block_size``;
 - ``<out>/plots/<benchmark>/<checkpoint>.json``: accuracy vs tokens/forward rows for ``dvc plots``;
-- ``<out>/plots/*.png`` and ``<out>/report.md`` (:mod:`mars.plots`).
+- ``<out>/figures/*.png`` and ``<out>/report.md`` (:mod:`mars.plots`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-PLOTS = "plots"
+FIGURES = "figures"  # PNGs; eval/plots/ holds only the dvc plots data series
 
 
 def _save(fig, path: Path) -> None:
@@ -139,10 +139,10 @@ def render_all(metrics: dict, out_dir: str | Path, *, train_metrics_dir: str | P
     """Every PNG and report.md under ``out_dir``; returns the report's path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    images = {bench: plot_accuracy_vs_speed(bench, per_ckpt, out_dir / PLOTS / f"{bench}.png")
+    images = {bench: plot_accuracy_vs_speed(bench, per_ckpt, out_dir / FIGURES / f"{bench}.png")
               for bench, per_ckpt in by_benchmark(metrics).items()}
     tsvs = {}
     if train_metrics_dir is not None and Path(train_metrics_dir).is_dir():
         tsvs = {p.stem.removeprefix("train_"): p for p in sorted(Path(train_metrics_dir).glob("train_*.tsv"))}
-    training = plot_training(tsvs, out_dir / PLOTS / "training.png") if tsvs else None
+    training = plot_training(tsvs, out_dir / FIGURES / "training.png") if tsvs else None
     return write_report(metrics, out_dir, images, training, checkpoints)

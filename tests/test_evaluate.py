@@ -116,10 +116,10 @@ def test_metrics_trace_back_to_the_saved_generations(ar_checkpoint, tmp_path):
     assert on_disk["ar_control/toy/tau=1.0"]["score"] == 1.0
     plot_rows = json.loads((tmp_path / "eval" / "plots" / "toy" / "ar_control.json").read_text())
     assert [r["tau"] for r in plot_rows] == [1.0, 0.8]
-    assert (tmp_path / "eval" / "plots" / "toy.png").stat().st_size > 1000
-    assert (tmp_path / "eval" / "plots" / "training.png").stat().st_size > 1000
+    assert (tmp_path / "eval" / "figures" / "toy.png").stat().st_size > 1000
+    assert (tmp_path / "eval" / "figures" / "training.png").stat().st_size > 1000
     report = (tmp_path / "eval" / "report.md").read_text()
-    assert "## toy" in report and "plots/toy.png" in report and "plots/training.png" in report
+    assert "## toy" in report and "figures/toy.png" in report and "figures/training.png" in report
 
 
 def test_the_cli_reads_params_and_checkpoints(ar_checkpoint, tmp_path):
