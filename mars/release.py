@@ -46,18 +46,26 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
 ENGINE_SUFFIXES = {".onnx": "onnx", ".engine": "tensorrt", ".plan": "tensorrt", ".ep": "torch_tensorrt"}
 VERSION_RE = re.compile(r"^v(\d+)$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class ReleaseError(MarsError):
     pass
 
 
+def _plain(kind: str, value: str) -> str:
+    """Names become store keys (and paths in a directory store): no '/', '..' or odd characters."""
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        raise ReleaseError(f"{kind} {value!r}: use letters, digits, '.', '_' or '-' (starting with a letter or digit)")
+    return value
+
+
 def manifest_key(name: str, version: str) -> str:
-    return f"releases/{name}/{version}/manifest.json"
+    return f"releases/{_plain('release name', name)}/{_plain('version', version)}/manifest.json"
 
 
 def pointer_key(name: str, stage: str) -> str:
-    return f"stages/{name}/{stage}.json"
+    return f"stages/{_plain('release name', name)}/{_plain('stage', stage)}.json"
 
 
 def _now() -> str:
@@ -188,6 +196,7 @@ def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: s
             tokenizer: str | Path | None = None, name: str = "mars", stage: str = "prod",
             tau: float | None = None, repo: str | Path = ".", log=print) -> dict:
     """Publish a gated release and move ``stage`` to it; returns the stage pointer written."""
+    _plain("release name", name), _plain("stage", stage)
     decision = gate_decision(gate)
     export, checkpoint = Path(export), Path(checkpoint)
     model = checkpoint_info(checkpoint)
@@ -319,6 +328,7 @@ def pull(store: Store, name: str, dest: str | Path, *, stage: str | None = "prod
     manifest, data = resolve_release(store, name, stage, version)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.pull-", dir=dest.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a release is an ordinary shared directory
     try:
         for rel, entry in manifest["files"].items():
             target = tmp / rel

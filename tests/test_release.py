@@ -145,7 +145,7 @@ def test_promote_pull_history_and_rollback(store_uri, tmp_path):
         rollback(store, version="v7", log=quiet)
 
 
-def test_only_a_passing_gate_is_promoted(tmp_path):
+def test_promote_checks_gate_inputs_and_names_before_uploading(tmp_path):
     store = open_store(str(tmp_path / "store"))
     failed = {**GATE, "passed": False, "checks_passed": False}
     inputs = make_inputs(tmp_path / "f", "f", gate=failed)
@@ -162,7 +162,11 @@ def test_only_a_passing_gate_is_promoted(tmp_path):
     other = make_inputs(tmp_path / "o", "o")
     with pytest.raises(ReleaseError, match="made from a different checkpoint"):
         promote(store, gate=other["gate"], export=other["export"], checkpoint=inputs["checkpoint"], log=quiet)
-    (other["gate"]).unlink()
+    with pytest.raises(ReleaseError, match=r"release name '\.\./x': use letters"):
+        promote(store, **other, name="../x", log=quiet)
+    with pytest.raises(ReleaseError, match=r"stage 'a/b': use letters"):
+        pull(store, "mars", tmp_path / "out", stage="a/b", log=quiet)
+    other["gate"].unlink()
     with pytest.raises(ReleaseError, match="no gate decision"):
         promote(store, **other, log=quiet)
 

@@ -154,7 +154,6 @@ def test_store_uri_comes_from_params_unless_overridden(tmp_path, monkeypatch):
         store_config({"store": {"secret_key": "x"}})
 
 
-@pytest.mark.slow
 def test_dvc_push_lands_in_the_store(store_uri, tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
