@@ -1,0 +1,285 @@
+"""mars.decoding: the accept rule, exact greedy AR at tau = 1, and the cached paths against the no-cache one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from mars.decoding import GenerationResult, TorchBackend, accept, cli, generate
+from mars.errors import MarsError
+
+VOCAB, MASK, EOS, B = 96, 95, 63, 4
+EOS_OF = {"llama": EOS, "qwen2": 85}  # a token each random model emits for some prompts and not others
+TAUS = [0.95, 0.9, 0.7, 0.5, 0.3]
+
+
+def mars_model(arch="llama", attn="sdpa", seed=0):
+    """A random tiny model made confident enough that every tau accepts a varying number of slots
+    (a plain random init puts ~1/V on every token), labelled as a MARS checkpoint with B = 4."""
+    model = tiny_model(arch, attn, seed=seed, vocab=VOCAB)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60)
+    model.config.mars = {"block_size": B, "mask_token_id": MASK}
+    model.generation_config.eos_token_id = EOS_OF[arch]
+    return model
+
+
+def random_prompts(lengths=(5, 1, 12, 3, 9, 17), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = [t for t in range(VOCAB) if t != MASK]
+    return [[ids[i] for i in torch.randint(0, len(ids), (n,), generator=g).tolist()] for n in lengths]
+
+
+def hf_greedy(model, prompts, max_new_tokens):
+    """HF generate, greedy with KV cache, one batch (left padded); generated ids cut after EOS."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    eos = model.generation_config.eos_token_id
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=0)[:, width:].tolist()
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out]
+
+
+def tokens(results):
+    return [r.token_ids for r in results]
+
+
+# ------------------------------------------------------------------------------------------- accept rule
+
+
+def _slot_logits(probs):
+    """Logits whose softmax puts ``p`` on token 10 + slot (rest spread evenly), one row per list."""
+    rows = []
+    for row in probs:
+        slots = []
+        for j, p in enumerate(row):
+            q = torch.full((VOCAB,), (1 - p) / (VOCAB - 1))
+            q[10 + j] = p
+            slots.append(q.log())
+        rows.append(torch.stack(slots))
+    return torch.stack(rows)
+
+
+def _accept(probs, tau, room=None, stop=(), greedy=None):
+    logits = _slot_logits(probs)
+    b = logits.shape[0]
+    return accept(logits, torch.full((b,), tau), torch.tensor(greedy or [tau >= 1.0] * b),
+                  torch.tensor(list(stop), dtype=torch.long), torch.tensor(room or [99] * b))
+
+
+def test_accept_takes_confident_slots_left_to_right_and_always_slot_zero():
+    toks, n, stopped = _accept([[0.95, 0.92, 0.5, 0.99], [0.2, 0.99, 0.4, 0.99], [0.91, 0.91, 0.91, 0.91]], 0.9)
+    # the first slot below tau ends the step even if later ones are confident; slot 0 counts regardless
+    assert n.tolist() == [2, 2, 4]
+    assert toks[0].tolist() == [10, 11, 12, 13] and not stopped.any()
+
+
+def test_accept_stops_after_a_stop_token_and_within_the_budget():
+    _, n, stopped = _accept([[0.99] * 4, [0.99] * 4], 0.5, stop=[11])  # slot 1 predicts token 11
+    assert n.tolist() == [2, 2] and stopped.tolist() == [True, True]
+    _, n, _ = _accept([[0.99] * 4, [0.99] * 4], 0.5, room=[3, 1])
+    assert n.tolist() == [3, 1]
+
+
+def test_tau_one_accepts_slot_zero_only_even_when_a_mask_rounds_to_probability_one():
+    logits = torch.zeros(1, 3, VOCAB)
+    logits[0, :, 5] = 200.0  # float32 softmax gives exactly 1.0
+    assert torch.softmax(logits, -1).amax().item() == 1.0
+    _, n, _ = accept(logits, torch.tensor([1.0]), torch.tensor([True]), torch.tensor([], dtype=torch.long),
+                     torch.tensor([9]))
+    assert n.tolist() == [1]
+
+
+# ------------------------------------------------------------------------------------------- tau = 1.0
+
+
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager")])
+def test_tau_one_is_hf_greedy_token_for_token(arch, attn):
+    model = mars_model(arch, attn)
+    prompts = random_prompts()
+    alone = [hf_greedy(model, [p], 16)[0] for p in prompts]
+    eos = EOS_OF[arch]
+    assert any(eos in r for r in alone) and any(eos not in r for r in alone)  # both endings are covered
+    assert hf_greedy(model, prompts, 16) == alone
+    for kwargs in (dict(batch_size=1), dict(batch_size=4), dict(batch_size=6, b_cache=B),
+                   dict(batch_size=4, use_cache=False)):
+        results = generate(model, None, prompts, tau=1.0, max_new_tokens=16, **kwargs)
+        assert tokens(results) == alone, kwargs
+        assert all(r.forwards == len(r.token_ids) for r in results)  # one token per forward
+
+
+def test_tau_one_needs_no_mask_token_and_no_block_size():
+    model = tiny_model("llama", vocab=VOCAB)  # a plain causal LM: no config.mars at all
+    prompts = random_prompts((4, 9))
+    results = generate(model, None, prompts, tau=1.0, max_new_tokens=10, batch_size=2)
+    assert tokens(results) == [hf_greedy(model, [p], 10)[0] for p in prompts]
+
+
+# ------------------------------------------------------------------------------------------- tau < 1
+
+
+@pytest.mark.parametrize("arch,taus", [("llama", [0.9, 0.7, 0.5, 0.3]), ("qwen2", [0.6])])
+def test_cached_block_cached_and_no_cache_paths_agree_at_every_tau(arch, taus):
+    model = mars_model(arch)
+    prompts = random_prompts()
+    speedups = []
+    for tau in taus:
+        reference = generate(model, None, prompts, tau=tau, max_new_tokens=16, batch_size=1, use_cache=False)
+        speedups.append(reference.tokens_per_forward)
+        for kwargs in (dict(batch_size=6, use_cache=False), dict(batch_size=1), dict(batch_size=6),
+                       dict(batch_size=4, b_cache=B), dict(batch_size=6, b_cache=7)):
+            results = generate(model, None, prompts, tau=tau, max_new_tokens=16, **kwargs)
+            assert tokens(results) == tokens(reference), (tau, kwargs)
+            assert [r.forwards for r in results] == [r.forwards for r in reference], (tau, kwargs)
+    # the comparison means something: several tokens per forward, more as tau falls
+    assert speedups == sorted(speedups) and speedups[-1] > 1.5
+
+
+def test_per_sequence_tau_in_a_batch_gives_each_sequence_its_alone_output():
+    model = mars_model()
+    prompts = random_prompts()
+    taus = [1.0, 0.5, 0.9, 0.3, 0.7, 1.0]
+    alone = [generate(model, None, [p], tau=t, max_new_tokens=20)[0] for p, t in zip(prompts, taus)]
+    for kwargs in (dict(batch_size=6), dict(batch_size=6, b_cache=8), dict(batch_size=3, use_cache=False)):
+        mixed = generate(model, None, prompts, tau=taus, max_new_tokens=20, **kwargs)
+        assert tokens(mixed) == tokens(alone), kwargs
+        assert [r.tau for r in mixed] == taus
+    # tau changes per call on the same loaded model: 1.0 is still HF greedy after a tau < 1 call
+    assert tokens(generate(model, None, prompts[:2], tau=1.0, max_new_tokens=20)) == \
+        [hf_greedy(model, [p], 20)[0] for p in prompts[:2]]
+
+
+class RecordingBackend(TorchBackend):
+    """The real torch backend, recording how many rows each forward ran."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.rows = []
+
+    def forward(self, window_ids, positions, read=None):
+        self.rows.append(window_ids.shape[0])
+        return super().forward(window_ids, positions, read)
+
+
+@pytest.mark.parametrize("b_cache", [None, 8])
+def test_finished_sequences_leave_the_batch(b_cache):
+    model = mars_model()
+    prompts = random_prompts()
+    backend = RecordingBackend(model)
+    results = generate(model, None, prompts, tau=0.7, max_new_tokens=20, batch_size=6, b_cache=b_cache,
+                       backend=backend)
+    assert tokens(results) == tokens(generate(model, None, prompts, tau=0.7, max_new_tokens=20, use_cache=False))
+    assert backend.rows[0] == 6 and backend.rows == sorted(backend.rows, reverse=True) and backend.rows[-1] < 6
+    assert results.model_calls == len(backend.rows)
+
+
+def test_results_report_tokens_forwards_and_finish():
+    model = mars_model()
+    results = generate(model, None, random_prompts(), tau=0.5, max_new_tokens=20, batch_size=3)
+    for r in results:
+        assert isinstance(r, GenerationResult) and 1 <= len(r.token_ids) <= 20
+        assert (r.finish_reason == "stop") == (r.token_ids[-1] == EOS) and EOS not in r.token_ids[:-1]
+        assert r.finish_reason == "stop" or len(r.token_ids) == 20
+        assert r.tokens_per_forward == pytest.approx(len(r.token_ids) / r.forwards) and r.block_size == B
+    assert results.tokens_per_forward == pytest.approx(results.tokens / results.forwards)
+    assert results.tokens_per_forward > 1.0
+
+
+def test_generation_stops_at_the_model_context():
+    model = mars_model()
+    model.generation_config.eos_token_id = None
+    context = model.config.max_position_embeddings
+    prompt = random_prompts((context - 5,))[0]
+    (result,) = generate(model, None, [prompt], tau=0.5, max_new_tokens=50)
+    assert len(result.token_ids) == 5 and result.finish_reason == "length"
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("prompts,kwargs,message", [
+    (["   "], dict(tau=0.9), "empty prompt"),
+    ([[]], dict(tau=0.9), "empty list"),
+    ([[3] * 256], dict(tau=0.9), "context"),
+    ([[3]], dict(tau=0.0), "tau"),
+    ([[3]], dict(tau=1.5), "tau"),
+    ([[3]], dict(tau=float("nan")), "tau"),
+    ([[3], [4]], dict(tau=[0.9]), "tau"),
+    ([[3]], dict(tau=0.9, block_size=0), "block_size"),
+    ([[3]], dict(tau=0.9, b_cache=2), "b_cache"),
+])
+def test_bad_input_is_a_clear_error(prompts, kwargs, message):
+    with pytest.raises(MarsError, match=message):
+        generate(mars_model(), None, prompts, max_new_tokens=4, **kwargs)
+
+
+def test_a_checkpoint_without_mask_token_cannot_decode_below_tau_one():
+    model = tiny_model("llama", vocab=VOCAB)
+    with pytest.raises(MarsError, match="mask token"):
+        generate(model, None, [[3, 4]], tau=0.9, block_size=4, max_new_tokens=4)
+    with pytest.raises(MarsError, match="block_size"):
+        generate(model, None, [[3, 4]], tau=0.9, max_new_tokens=4)
+
+
+# ------------------------------------------------------------------------------------------- SmolLM2, CLI
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    from mars.models import load_model
+
+    return load_model(smollm2_dir)
+
+
+CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+
+
+@pytest.mark.slow
+def test_smollm2_tau_one_is_hf_greedy_on_chat_prompts(smollm2):
+    model, tokenizer = smollm2
+    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) for p in CHAT]
+    eos = model.generation_config.eos_token_id
+
+    def hf(batch):  # left padded, greedy, KV cache; generated ids cut after the first EOS
+        width = max(map(len, batch))
+        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + list(p) for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)[:, width:].tolist()
+        return [row[: row.index(eos) + 1] if eos in row else row for row in out]
+
+    alone = [hf([ids])[0] for ids in encoded]
+    assert hf(encoded) == alone
+    for batch_size in (1, 3):
+        results = generate(model, tokenizer, CHAT, tau=1.0, max_new_tokens=16, batch_size=batch_size)
+        assert [r.prompt_token_ids for r in results] == [list(ids) for ids in encoded]
+        assert tokens(results) == alone
+        assert [r.text for r in results] == [tokenizer.decode(a, skip_special_tokens=True) for a in alone]
+
+
+@pytest.mark.slow
+def test_cli_generate_json(smollm2_dir, tmp_path, capsys):
+    from mars.mask_token import add_mask_token
+    from mars.models import load_model
+
+    model, tokenizer = load_model(smollm2_dir)
+    add_mask_token(model, tokenizer)  # the real weights + a mask row: decodable at any tau
+    model.config.mars = {"block_size": 4, "mask_token_id": model.config.mask_token_id}
+    model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    argv = ["--model", str(tmp_path / "ckpt"), "--tau", "0.8", "--max-new-tokens", "8", "--json",
+            "--params", str(tmp_path / "none.yaml"), CHAT[0], CHAT[2]]
+    with pytest.raises(MarsError, match="none.yaml"):
+        cli(argv)
+    (tmp_path / "none.yaml").write_text("decode: {batch_size: 2}\n")
+    assert cli(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == [CHAT[0], CHAT[2]]
+    for line in lines:
+        assert {"prompt_token_ids", "token_ids", "text", "forwards", "tokens_per_forward"} <= set(line)
+        assert line["block_size"] == 4 and line["tau"] == 0.8 and 1 <= len(line["token_ids"]) <= 8
