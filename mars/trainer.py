@@ -33,6 +33,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -103,6 +104,7 @@ class TrainConfig:
     max_length: int = 512
     batch_size: int = 8  # GLOBAL examples per optimizer step (all processes x accumulation)
     grad_accum: int = 1
+    group_by_length: bool = True  # batches of similar lengths (less padding); the order stays seeded
     max_grad_norm: float | None = 1.0
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA with bf16, else no
     attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
@@ -191,16 +193,40 @@ def truncate_examples(rows: Sequence[dict], max_length: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------- data position
-def epoch_order(num_examples: int, seed: int, epoch: int):
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_examples, generator=gen).tolist()
+class DataOrder:
+    """Which examples each optimizer step takes: a function of (seed, epoch, step) only.
 
+    Every epoch is a fresh permutation, cut into global batches (the incomplete last one is
+    dropped, so every step has ``batch_size`` examples whatever the number of processes). With
+    ``group_by_length``, groups of ``GROUP`` batches are sorted by length before cutting and the
+    resulting batches shuffled again: batches hold similar lengths, so less of each is padding.
+    """
 
-def step_indices(step: int, num_examples: int, batch_size: int, seed: int) -> tuple[int, list[int]]:
-    """(epoch, example indices) of optimizer step ``step`` (0-based): the data position is the step."""
-    per_epoch = num_examples // batch_size
-    epoch, j = divmod(step, per_epoch)
-    return epoch, epoch_order(num_examples, seed, epoch)[j * batch_size:(j + 1) * batch_size]
+    GROUP = 32  # batches per length-sorted group
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, seed: int, group_by_length: bool):
+        self.lengths, self.batch_size, self.seed, self.group = list(lengths), batch_size, seed, group_by_length
+        self.per_epoch = len(self.lengths) // batch_size
+        self._epoch, self._batches = None, []
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(len(self.lengths), generator=gen).tolist()[: self.per_epoch * self.batch_size]
+            if self.group:
+                span = self.GROUP * self.batch_size
+                order = [i for g in range(0, len(order), span)
+                         for i in sorted(order[g:g + span], key=lambda i: -self.lengths[i])]
+            cut = [order[k * self.batch_size:(k + 1) * self.batch_size] for k in range(self.per_epoch)]
+            if self.group:
+                cut = [cut[k] for k in torch.randperm(len(cut), generator=gen).tolist()]
+            self._epoch, self._batches = epoch, cut
+        return self._batches
+
+    def step(self, step: int) -> tuple[int, list[int]]:
+        """(epoch, example indices) of optimizer step ``step`` (0-based)."""
+        epoch, j = divmod(step, self.per_epoch)
+        return epoch, self.batches(epoch)[j]
 
 
 def shard(indices: list[int], rank: int, world: int, accum: int) -> list[list[int]]:
@@ -352,10 +378,25 @@ def _scheduler(cfg: TrainConfig, optimizer, total: int):
     return make(optimizer, warmup, total)
 
 
-def _fingerprint(cfg: TrainConfig, stage: str, seed: int, num_examples: int, total: int) -> dict:
-    """What a checkpoint must agree on to be resumed (anything else may change between runs)."""
-    return {"stage": stage, "seed": seed, "num_examples": num_examples, "total_steps": total,
-            "batch_size": cfg.batch_size, "stage_config": asdict(cfg.stage(stage))}
+# Knobs that may change between a run and its resumption: they do not change what is trained.
+OPERATIONAL = ("save_every", "keep_checkpoints", "threads", "grad_accum")
+
+
+def _fingerprint(cfg: TrainConfig, stage: str, seed: int, init, examples: Sequence[dict], total: int) -> dict:
+    """What a checkpoint must agree on to be resumed: the run it belongs to."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for ex in examples:
+        digest.update(f"{ex['prompt_len']}:{','.join(map(str, ex['input_ids']))};".encode())
+    knobs = {k: v for k, v in asdict(cfg).items() if k not in OPERATIONAL and k not in STAGES}
+    return {"stage": stage, "init": str(init), "seed": seed, "data_sha256": digest.hexdigest(), "total_steps": total,
+            "train": knobs, "stage_config": asdict(cfg.stage(stage)), "mars_config": asdict(cfg.mars)}
+
+
+def _mismatch(saved: dict, now: dict) -> str:
+    diff = [k for k in now if saved.get(k) != now[k]]
+    return ", ".join(diff)
 
 
 def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[dict], out: str | Path,
@@ -406,20 +447,23 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
-    fingerprint = _fingerprint(cfg, stage, seed, n, total)
+    fingerprint = _fingerprint(cfg, stage, seed, init, examples, total)
     start = 0
     ckpt = resolve_resume(resume, out)
     if ckpt is not None:
-        state = json.loads((ckpt / STATE_FILE).read_text())
-        diff = [k for k in fingerprint if state["fingerprint"].get(k) != fingerprint[k]]
-        if diff:
-            raise MarsError(f"cannot resume from {ckpt}: it was trained with different {', '.join(diff)} "
-                            f"({ {k: state['fingerprint'].get(k) for k in diff} } vs now { {k: fingerprint[k] for k in diff} }); "
-                            "use --resume no to start over")
+        diff = _mismatch(json.loads((ckpt / STATE_FILE).read_text())["fingerprint"], fingerprint)
+        if diff and resume != "auto":
+            raise MarsError(f"cannot resume from {ckpt}: it belongs to a run with different {diff}; "
+                            "use --resume no (or auto) to start over")
+        if diff:  # auto after a param/data change (dvc exp run -S ...): these steps are of another run
+            if main:
+                print(f"train {stage}: not resuming {ckpt} (different {diff}); starting over", file=sys.stderr)
+            ckpt = None
+    if ckpt is not None:
         accelerator.load_state(str(ckpt))
-        start = int(state["step"])
-    elif resume == "no" and main and (out / "steps").exists():
-        shutil.rmtree(out / "steps")  # a fresh run must not be resumed into later from stale steps
+        start = int(json.loads((ckpt / STATE_FILE).read_text())["step"])
+    elif main and (out / "steps").exists():
+        shutil.rmtree(out / "steps")  # a fresh run must never be resumed into later from stale steps
     accelerator.wait_for_everyone()
 
     log = MetricsLog(metrics_path, start) if main else None
@@ -429,13 +473,14 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
 
         bar = tqdm(total=total, initial=start, desc=f"train {stage}", unit="step", dynamic_ncols=True)
     m = cfg.mars
+    order = DataOrder([len(e["input_ids"]) for e in examples], cfg.batch_size, seed, cfg.group_by_length)
     scale = world * cfg.grad_accum
     device = accelerator.device
     started, tokens_seen, last = time.perf_counter(), 0, {}
     try:
         for step in range(start, total):
             t0 = time.perf_counter()
-            epoch, indices = step_indices(step, n, cfg.batch_size, seed)
+            epoch, indices = order.step(step)
             batches = []
             for micro, idx in enumerate(shard(indices, rank, world, cfg.grad_accum)):
                 # random block offsets depend on (seed, step, rank, micro) only: a resumed run redraws them
