@@ -27,13 +27,10 @@ Output (written into a temp dir beside ``--out``, then swapped in): per split Pa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import random
-import shutil
 import statistics
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,6 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from mars import suite
+from mars.atomic import atomic_dir, read_json
 from mars.config import add_params_arguments, as_dict, params_from_args, section
 from mars.errors import ConfigError, DataError
 
@@ -393,25 +391,6 @@ def tokenizer_sha256(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-@contextlib.contextmanager
-def atomic_dir(out: Path):
-    """Yield a temp dir beside ``out``; on success it replaces ``out``, on failure it is removed."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        yield tmp
-        if out.exists():
-            old = out.with_name(f".{out.name}-old-{time.time_ns()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def prepare(cfg: DataConfig, base: str | Path, out: str | Path) -> dict:
     """Tokenize ``cfg``'s source with ``base``'s tokenizer into ``out``; returns meta.json's content."""
     from transformers import AutoConfig
@@ -463,12 +442,7 @@ def prepare(cfg: DataConfig, base: str | Path, out: str | Path) -> dict:
 
 def load_meta(data_dir: str | Path) -> dict:
     path = Path(data_dir) / "meta.json"
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{data_dir}: no meta.json (run `mars prepare --out {data_dir}` first)") from None
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}: not valid JSON ({err})") from None
+    meta = read_json(path, f"run `mars prepare --out {data_dir}` first", DataError)
     if meta.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{path}: format version {meta.get('format_version')!r}, this code reads {FORMAT_VERSION}: "
                         "run `mars prepare` again")

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from mars.atomic import atomic_dir
 from mars.errors import MarsError
 
 SMOLLM2 = "smollm2"
@@ -52,17 +51,9 @@ def convert_smollm2(out_dir: str | Path | None = None) -> Path:
         cfg.pop(key, None)
     model = LlamaForCausalLM(LlamaConfig(**cfg))
     model.load_state_dict(loaded.state_dict())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

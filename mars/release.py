@@ -28,11 +28,10 @@ import datetime as dt
 import hashlib
 import json
 import re
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path, PurePosixPath
 
+from mars.atomic import atomic_dir, read_json
 from mars.config import add_params_arguments, params_from_args
 from mars.errors import MarsError
 from mars.store import (IntegrityError, NotFound, Store, StoreConfig, iter_files, object_key, open_store,
@@ -76,12 +75,7 @@ def _now() -> str:
 def gate_decision(path: str | Path) -> dict:
     """The gate's decision file, if it allows promotion: ``passed: true`` or a recorded override."""
     path = Path(path)
-    try:
-        gate = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ReleaseError(f"{path}: no gate decision (run `mars gate` first)") from None
-    except ValueError as err:
-        raise ReleaseError(f"{path}: not valid JSON: {err}") from None
+    gate = read_json(path, "no gate decision: run `mars gate` first", ReleaseError)
     if not isinstance(gate, dict) or "passed" not in gate:
         raise ReleaseError(f"{path}: not a gate decision (no 'passed' key)")
     override = gate.get("override")
@@ -96,12 +90,7 @@ def gate_decision(path: str | Path) -> dict:
 def checkpoint_info(checkpoint: Path) -> dict:
     """The ``mars`` section of a checkpoint's config.json (block size, mask token, stage ...)."""
     config = checkpoint / "config.json"
-    try:
-        mars = json.loads(config.read_text()).get("mars")
-    except FileNotFoundError:
-        raise ReleaseError(f"{checkpoint}: not a model checkpoint (no config.json)") from None
-    except ValueError as err:
-        raise ReleaseError(f"{config}: not valid JSON: {err}") from None
+    mars = read_json(config, "not a model checkpoint", ReleaseError).get("mars")
     if not isinstance(mars, dict) or "block_size" not in mars or "mask_token_id" not in mars:
         raise ReleaseError(f"{config}: not a MARS checkpoint (no mars.block_size / mars.mask_token_id)")
     return mars
@@ -112,12 +101,7 @@ def check_export(export: Path, checkpoint: Path, block_size: int) -> dict:
     from mars.export import checkpoint_sha256
 
     manifest = export / "manifest.json"
-    try:
-        info = json.loads(manifest.read_text())
-    except FileNotFoundError:
-        raise ReleaseError(f"{export}: not an export (no manifest.json; run `mars export`)") from None
-    except ValueError as err:
-        raise ReleaseError(f"{manifest}: not valid JSON: {err}") from None
+    info = read_json(manifest, "not an export: run `mars export`", ReleaseError)
     try:
         exported_b, exported_from = int(info["mars"]["block_size"]), str(info["checkpoint"]["sha256"])
     except (TypeError, KeyError, ValueError):
@@ -326,38 +310,15 @@ def pull(store: Store, name: str, dest: str | Path, *, stage: str | None = "prod
     if dest.exists() and not (dest.is_dir() and (not any(dest.iterdir()) or (dest / MANIFEST_FILE).is_file())):
         raise ReleaseError(f"{dest}: exists and is not a pulled release; refusing to replace it")
     manifest, data = resolve_release(store, name, stage, version)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.pull-", dir=dest.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a release is an ordinary shared directory
-    try:
+    with atomic_dir(dest) as tmp:
         for rel, entry in manifest["files"].items():
             target = tmp / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             store.get_object(entry["sha256"], entry["size"], target, label=rel)
         (tmp / MANIFEST_FILE).write_bytes(data)
-        _swap_into(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"pulled {name} {manifest['version']} ({stage if version is None else 'pinned'}) from {store.uri} "
         f"into {dest}: {len(manifest['files'])} files verified")
     return manifest
-
-
-def _swap_into(tmp: Path, dest: Path) -> None:
-    """Put the finished ``tmp`` at ``dest``; the old content is moved aside first, then removed."""
-    if not dest.exists():
-        tmp.rename(dest)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-    old.rmdir()
-    dest.rename(old)
-    try:
-        tmp.rename(dest)
-    except BaseException:
-        old.rename(dest)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def list_releases(store: Store, name: str | None = None) -> list[str]:

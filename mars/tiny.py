@@ -171,7 +171,7 @@ def describe(model, tokenizer, info, source: str, seconds: float) -> dict:
 
 def save_base(model, tokenizer, meta: dict, out: Path) -> None:
     """Write checkpoint + tokenizer + base.json into a temp dir beside ``out``, then swap it in."""
-    from mars.data import atomic_dir
+    from mars.atomic import atomic_dir
 
     with atomic_dir(Path(out)) as tmp:
         model.save_pretrained(tmp)
