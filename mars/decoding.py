@@ -155,10 +155,12 @@ def accept(logits: torch.Tensor, tau: torch.Tensor, greedy: torch.Tensor, stop_i
     """
     logits = logits.float()
     tokens = logits.argmax(-1)  # the same pick as HF greedy (first index on ties)
-    prob = torch.softmax(logits, -1).amax(-1)
     slots = torch.arange(tokens.shape[1], device=tokens.device)
-    ok = (prob >= tau[:, None]) | (slots == 0)
-    ok &= ~(greedy[:, None] & (slots > 0))
+    if tokens.shape[1] == 1:  # one slot (tau = 1 everywhere): always accepted, no probability needed
+        ok = torch.ones_like(tokens, dtype=torch.bool)
+    else:
+        prob = torch.softmax(logits, -1).amax(-1)
+        ok = ((prob >= tau[:, None]) | (slots == 0)) & ~(greedy[:, None] & (slots > 0))
     is_stop = torch.isin(tokens, stop_ids)
     stop_before = (is_stop.cumsum(1) - is_stop.long()) > 0
     ok &= ~stop_before & (slots[None, :] < room[:, None])
@@ -209,6 +211,7 @@ class TorchBackend:
         _attention_mask(model, torch.ones(1, 1, 1, dtype=torch.bool))  # fail early on flash/flex attention
         self.cache = None
         self.key_valid = None  # [b, T] bool: which cache entries each row may attend to
+        self._all_valid = True  # key_valid has no False entry (no padding, no holes)
         self._pending = 0
 
     @torch.inference_mode()
@@ -224,6 +227,7 @@ class TorchBackend:
                 valid[i, width - len(prefix):] = True
         ids, valid = ids.to(self.device), valid.to(self.device)
         self.key_valid = valid
+        self._all_valid = bool(valid.all())
         if width == 0:
             return
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
@@ -236,19 +240,21 @@ class TorchBackend:
     @torch.inference_mode()
     def forward(self, window_ids, positions, read=None):
         b, width = window_ids.shape
-        window_ids, positions = window_ids.to(self.device), positions.to(self.device)
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-        allowed = torch.cat([self.key_valid[:, None, :].expand(b, width, -1), causal.expand(b, -1, -1)], -1)
+        if self._all_valid:
+            mask = None  # no padding, no holes: the model's own causal mask (its fast path) is exact
+        else:
+            causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+            allowed = torch.cat([self.key_valid[:, None, :].expand(b, width, -1), causal.expand(b, -1, -1)], -1)
+            mask = _attention_mask(self.model, allowed)
         # Only the logits that are read go through the LM head (it is a large share of a small model).
         first = 0 if read is None else int(read.min())
-        out = self.model(input_ids=window_ids, position_ids=positions,
-                         attention_mask=_attention_mask(self.model, allowed), cache=self.cache, use_cache=True,
-                         logits_to_keep=width - first)
+        out = self.model(input_ids=window_ids, position_ids=positions, attention_mask=mask, cache=self.cache,
+                         use_cache=True, logits_to_keep=width - first)
         self._pending = width
         if read is None:
             return out.logits
-        index = (read.to(self.device) - first)[:, :, None].expand(-1, -1, out.logits.shape[-1])
-        return out.logits.gather(1, index)
+        rows = torch.arange(b, device=self.device)[:, None]
+        return out.logits[rows, read - first]
 
     def commit(self, n_accept):
         n_accept = n_accept.to(self.device)
@@ -257,6 +263,7 @@ class TorchBackend:
             self.cache.crop(keep - self._pending)
         new = torch.arange(keep, device=self.device)[None, :] < n_accept[:, None]
         self.key_valid = torch.cat([self.key_valid, new], 1)
+        self._all_valid = self._all_valid and bool(new.all())
         self._pending = 0
 
     def retain(self, rows):
@@ -273,6 +280,7 @@ class TorchBackend:
                 layer.keys, layer.values = layer.keys[:, :, columns], layer.values[:, :, columns]
         if shrink:
             self.key_valid = self.key_valid[:, columns]
+        self._all_valid = bool(self.key_valid.all())
 
 
 # --------------------------------------------------------------------------------------------- the loops
@@ -297,7 +305,8 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
     backend sees one window per step and syncs once per step (the accepted counts decide the next window).
     """
     b = len(prompts)
-    dev = backend.device
+    dev = torch.device(backend.device)
+    put = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev, non_blocking=True))  # noqa: E731
     prompt_len = torch.tensor([len(p) for p in prompts])
     room = torch.tensor(list(room))
     total = int((prompt_len + room).max())
@@ -307,7 +316,7 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
     length, cached = prompt_len.clone(), prompt_len - 1
     forwards = torch.zeros(b, dtype=torch.long)
     rows = torch.arange(b)  # input index of each live row
-    tau_d, greedy_d, stop_d = tau.to(dev), (tau >= 1.0).to(dev), stop_ids.to(dev)
+    tau_d, greedy_d, stop_d = put(tau), put(tau >= 1.0), put(stop_ids)
     # At tau = 1 every row takes one token per step, so one-position blocks are exact and cheapest.
     block = None if b_cache is None else (b_cache if slots > 1 else 1)
     slot = torch.arange(slots)
@@ -327,11 +336,11 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
         index = cached[:, None] + torch.arange(width)
         window = torch.where(index < length[:, None], seq.gather(1, index.clamp(max=total)), mask_id)
         read = ((u - 1)[:, None] + slot).clamp(max=width - 1)
-        logits = backend.forward(window.to(dev), index.to(dev), read.to(dev))
+        logits = backend.forward(put(window), put(index), put(read))
         step_room = room if stepping is None else torch.where(stepping, room, 0)
-        tokens, n, stopped = (t.cpu() for t in accept(logits, tau_d, greedy_d, stop_d, step_room.to(dev)))
+        tokens, n, stopped = (t.cpu() for t in accept(logits, tau_d, greedy_d, stop_d, put(step_room)))
         out.model_calls += 1
-        backend.commit(commit.to(dev))
+        backend.commit(put(commit))
         cached += commit
         seq.scatter_(1, torch.where(slot < n[:, None], length[:, None] + slot, total), tokens)
         length += n
@@ -345,10 +354,10 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
                 out.forwards[i], out.stopped[i] = int(forwards[k]), bool(stopped[k])
             keep = (~done).nonzero()[:, 0]
             if keep.numel():
-                backend.retain(keep.to(dev))
+                backend.retain(put(keep))
             rows, seq, length, cached, room, forwards, prompt_len = (
                 t[keep] for t in (rows, seq, length, cached, room, forwards, prompt_len))
-            tau_d, greedy_d = tau_d[keep.to(dev)], greedy_d[keep.to(dev)]
+            tau_d, greedy_d = tau_d[put(keep)], greedy_d[put(keep)]
     return out
 
 

@@ -1,0 +1,210 @@
+"""``mars bench-decode``: MARS decoding speed against HF ``generate`` (greedy, KV cache), side by side.
+
+One process, one model, one prompt set. Every repeat runs each configuration once, in rotating order
+(interleaved, so a slow spell of a shared machine hits all of them); the table shows medians and the
+speedup = HF seconds / MARS seconds at the same batch size (> 1: MARS is faster). Per batch size and
+tau it also prints tokens/forward and the ceiling a perfect implementation could reach on this
+hardware: tokens/forward x t(1-token step) / t(B-token step), both steps timed on the same cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mars.decoding import (TorchBackend, add_model_arguments, encode_prompts, generate, load_decode_config,
+                           load_for_decoding, stop_token_ids_of)
+from mars.errors import MarsError
+
+# Used when neither --data nor --prompts is given: short instructions of the kind the tiny profile trains on.
+DEFAULT_PROMPTS = [
+    "What is 17 plus 25?", "Sort these numbers: 9, 2, 7, 4.", "Count the vowels in 'banana'.",
+    "Write the word 'cat' three times, separated by commas.", "List three colors.",
+    "Tom has 3 apples and buys 5 more. How many apples does he have?", "Reverse the letters of 'stone'.",
+    "Which is larger, 48 or 84?", "Copy this sentence: the sky is blue.", "Format the date 2024-03-05 as 05/03/2024.",
+    "Name two animals that live in the sea.", "What is 9 times 6?", "Sort alphabetically: pear, apple, fig.",
+    "How many letters are in 'elephant'?", "Answer yes or no: is 15 an even number?", "What comes after Tuesday?",
+]
+
+
+def load_prompts(args, tokenizer) -> list[list[int]]:
+    if args.data:
+        from mars.data import load_split
+
+        rows = load_split(args.data, "heldout")
+        prompts = [row["input_ids"][: row["prompt_len"]] for row in rows]
+    elif args.prompts:
+        path = Path(args.prompts)
+        if not path.is_file():
+            raise MarsError(f"{path}: no such prompts file")
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        texts = [json.loads(line)["prompt"] if path.suffix == ".jsonl" else line for line in lines]
+        prompts = encode_prompts(tokenizer, texts)
+    else:
+        prompts = encode_prompts(tokenizer, DEFAULT_PROMPTS)
+    if not prompts:
+        raise MarsError("bench-decode: no prompts")
+    while len(prompts) < args.num_prompts:  # too few: cycle
+        prompts = prompts + prompts
+    return prompts[: args.num_prompts]
+
+
+def hf_generate(model, prompts: list[list[int]], batch_size: int, max_new_tokens: int, pad_id: int,
+                eos: list[int]) -> int:
+    """HF greedy with its KV cache, left-padded batches; returns the tokens generated (up to EOS)."""
+    generated = 0
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start: start + batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 temperature=None, top_p=None, top_k=None, eos_token_id=eos or None,
+                                 pad_token_id=pad_id)[:, width:].tolist()
+        for row in out:
+            ends = [row.index(e) + 1 for e in eos if e in row]
+            generated += min(ends) if ends else len(row)
+    return generated
+
+
+def _sync(device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def step_times(model, prompts: list[list[int]], batch_size: int, width: int, iters: int = 20) -> float:
+    """Median seconds of one cached forward of ``width`` tokens per row on a prefilled batch."""
+    backend = TorchBackend(model)
+    batch = prompts[:batch_size]
+    backend.start([p[:-1] for p in batch])
+    rows = len(batch)
+    start = torch.tensor([len(p) - 1 for p in batch])[:, None]
+    positions = (start + torch.arange(width)).to(backend.device)
+    window = torch.tensor([p[-1:] * width for p in batch], device=backend.device)
+    read = torch.zeros(rows, 1, dtype=torch.long, device=backend.device)
+    none = torch.zeros(rows, dtype=torch.long, device=backend.device)
+    times = []
+    for i in range(iters + 2):
+        _sync(backend.device)
+        t = time.perf_counter()
+        backend.forward(window, positions, read)
+        _sync(backend.device)
+        times.append(time.perf_counter() - t)
+        backend.commit(none)
+    return statistics.median(times[2:])
+
+
+def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tokens, b_cache, repeats):
+    eos = stop_token_ids_of(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    block_size = block_size or (getattr(model.config, "mars", None) or {}).get("block_size")
+    if block_size is None:
+        raise MarsError("bench-decode: pass --block-size (the checkpoint has no config.mars.block_size)")
+    rows = []
+    for bs in batch_sizes:
+        configs = [("hf", None)] + [("mars", tau) for tau in taus]
+
+        def once(kind, tau):
+            _sync(model.device)
+            t = time.perf_counter()
+            if kind == "hf":
+                tokens, tpf = hf_generate(model, prompts, bs, max_new_tokens, pad_id, eos), 1.0
+            else:
+                res = generate(model, tokenizer, prompts, block_size=block_size, tau=tau,
+                               max_new_tokens=max_new_tokens, batch_size=bs, b_cache=b_cache)
+                tokens, tpf = res.tokens, res.tokens_per_forward
+            _sync(model.device)
+            return time.perf_counter() - t, tokens, tpf
+
+        for kind, tau in configs:  # warm-up
+            once(kind, tau)
+        seconds = {c: [] for c in configs}
+        stats = {}
+        for r in range(repeats):
+            for kind, tau in configs[r % len(configs):] + configs[: r % len(configs)]:
+                dt, tokens, tpf = once(kind, tau)
+                seconds[(kind, tau)].append(dt)
+                stats[(kind, tau)] = (tokens, tpf)
+        t1 = step_times(model, prompts, bs, 1)
+        tb = step_times(model, prompts, bs, block_size)
+        hf_s = statistics.median(seconds[("hf", None)])
+        for kind, tau in configs:
+            med = statistics.median(seconds[(kind, tau)])
+            tokens, tpf = stats[(kind, tau)]
+            rows.append({
+                "batch_size": bs, "method": "hf_generate" if kind == "hf" else "mars", "tau": tau,
+                "median_s": med, "speedup_vs_hf": hf_s / med, "tokens": tokens, "tokens_per_s": tokens / med,
+                "tokens_per_forward": tpf,
+                # tau = 1 forwards no mask: its step is the 1-token step
+                "ceiling_speedup": None if kind == "hf" else tpf * t1 / (t1 if tau >= 1.0 else tb),
+                "t_step_1_ms": t1 * 1e3, "t_step_B_ms": tb * 1e3,
+            })
+    return {"block_size": block_size, "b_cache": b_cache, "max_new_tokens": max_new_tokens,
+            "prompts": len(prompts), "repeats": repeats, "rows": rows}
+
+
+def format_table(report: dict) -> str:
+    lines = [f"B={report['block_size']} b_cache={report['b_cache']} prompts={report['prompts']} "
+             f"max_new_tokens={report['max_new_tokens']} repeats={report['repeats']} (medians; speedup = HF s / MARS s)",
+             f"{'batch':>5} {'method':<13} {'median_s':>9} {'speedup':>8} {'tok/fwd':>8} {'ceiling':>8} "
+             f"{'tokens':>7} {'tok/s':>8} {'t1_ms':>7} {'tB_ms':>7}"]
+    for row in report["rows"]:
+        name = "hf generate" if row["method"] == "hf_generate" else f"mars tau={row['tau']:g}"
+        ceiling = "" if row["ceiling_speedup"] is None else f"{row['ceiling_speedup']:.2f}x"
+        lines.append(f"{row['batch_size']:>5} {name:<13} {row['median_s']:>9.3f} {row['speedup_vs_hf']:>7.2f}x "
+                     f"{row['tokens_per_forward']:>8.2f} {ceiling:>8} {row['tokens']:>7} {row['tokens_per_s']:>8.1f} "
+                     f"{row['t_step_1_ms']:>7.2f} {row['t_step_B_ms']:>7.2f}")
+    return "\n".join(lines)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def cli(argv: list[str], verb: str = "bench-decode") -> int:
+    from mars.config import add_params_arguments
+
+    parser = argparse.ArgumentParser(prog=f"mars {verb}", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="checkpoints/mars/final", help="checkpoint dir (default: %(default)s)")
+    parser.add_argument("--data", help="prepared data dir: benchmark on its held-out prompts")
+    parser.add_argument("--prompts", help="prompt file: one prompt per line, or .jsonl with a 'prompt' field")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--taus", default="1.0,0.95,0.9,0.8")
+    parser.add_argument("--block-size", type=int, help="default: decode.block_size, else config.mars.block_size")
+    parser.add_argument("--max-new-tokens", type=int, help="default: decode.max_new_tokens")
+    parser.add_argument("--b-cache", type=int, help="default: decode.b_cache")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--json", help="also write the report as JSON to this file")
+    add_model_arguments(parser)
+    add_params_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = load_decode_config(args)
+    model, tokenizer = load_for_decoding(args.model, args)
+    prompts = load_prompts(args, tokenizer)
+    report = run(model, tokenizer, prompts, batch_sizes=[int(x) for x in _floats(args.batch_sizes)],
+                 taus=_floats(args.taus), block_size=args.block_size or cfg.block_size,
+                 max_new_tokens=args.max_new_tokens or cfg.max_new_tokens,
+                 b_cache=cfg.b_cache if args.b_cache is None else args.b_cache, repeats=args.repeats)
+    report.update(model=str(args.model), device=str(args.device), threads=torch.get_num_threads())
+    print(format_table(report))
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f, indent=2)
+        os.replace(tmp, out)
+    return 0
