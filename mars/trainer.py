@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import math
 import os
 import shutil
@@ -538,6 +539,16 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
     return TrainResult(stage=stage, objective=objective, steps=total, final_dir=final, metrics_path=metrics_path,
                        final_loss=float(last.get("loss", float("nan"))), seconds=seconds,
                        tokens_per_s=tokens_seen / max(seconds, 1e-9))
+
+
+class _TiedWeightsNote(logging.Filter):
+    """Drop accelerate's per-save note about tied embeddings (safetensors stores a shared tensor once)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removed shared tensor" not in record.getMessage()
+
+
+logging.getLogger("accelerate.utils.other").addFilter(_TiedWeightsNote())
 
 
 def _save_step(accelerator, out: Path, step: int, fingerprint: dict, keep: int) -> None:
