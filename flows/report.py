@@ -47,13 +47,35 @@ def gate_passed(gate: Any) -> bool | None:
 
 
 def gate_summary(gate: Any) -> str:
+    """One line: the verdict and why (mars gate lists ``failures``; an override names who and why)."""
     if not isinstance(gate, dict):
         return "no gate decision"
-    reason = gate.get("reason") or gate.get("reasons")
-    if isinstance(reason, list):
-        reason = "; ".join(map(str, reason))
+    why = gate.get("failures") or gate.get("reasons") or gate.get("reason")
+    if gate.get("overridden"):
+        override = gate.get("override") or {}
+        why = f"overridden by {override.get('by')}: {override.get('reason')}"
+    if isinstance(why, list):
+        why = "; ".join(map(str, why))
     verdict = "passed" if gate.get("passed") else "failed"
-    return f"{verdict}: {reason}" if reason else verdict
+    return f"{verdict}: {why}" if why else verdict
+
+
+def _gate_tables(gate: dict) -> list[str]:
+    checks = gate.get("checks")
+    if isinstance(checks, list) and all(isinstance(c, dict) for c in checks):
+        lines = ["| check | value | limit | passed |", "| --- | --- | --- | --- |"]
+        lines += [f"| {_cell(c.get('name'))} | {_cell(c.get('value'))} | {_cell(c.get('limit'))} | "
+                  f"{'yes' if c.get('passed') else 'NO'} |" for c in checks]
+        rest = {k: v for k, v in gate.items() if k not in {"checks", "failures"}}
+        return lines + ["", table(_flatten(rest), ("setting", "value"))]
+    return [table(_flatten(gate), ("field", "value"))]
+
+
+def _embedded(report_md: str) -> list[str]:
+    """The evaluation report one heading level down, without its images (relative paths do not
+    resolve in the Prefect UI; the PNGs stay in the project's eval/figures/)."""
+    return [("#" + line) if line.startswith("#") else line
+            for line in report_md.strip().splitlines() if not line.startswith("![")]
 
 
 def render(header: dict[str, Any], eval_metrics: Any, eval_report: str | None, gate: Any) -> str:
@@ -72,10 +94,10 @@ def render(header: dict[str, Any], eval_metrics: Any, eval_report: str | None, g
         out.append("")
     out += ["## Gate", "", f"**{gate_summary(gate)}**", ""]
     if isinstance(gate, dict):
-        out += [table(_flatten(gate)), ""]
+        out += _gate_tables(gate) + [""]
     out += ["## Evaluation", ""]
     if eval_report:
-        out += [eval_report.strip(), ""]
+        out += _embedded(eval_report) + [""]
     elif eval_metrics is not None:
         out += [table(_flatten(eval_metrics)), ""]
     else:
