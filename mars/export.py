@@ -117,10 +117,18 @@ def example_inputs(spec: BlockSpec, prefix_lens, past: int, *, dtype=None, devic
     lens = torch.as_tensor(prefix_lens, dtype=torch.long)
     ids = torch.randint(0, spec.vocab_size, (b, w), generator=generator)
     positions = lens[:, None] + torch.arange(w)[None]
-    mask = torch.from_numpy(window_mask(lens.numpy(), past, w)).to(dtype)
+    mask = mask_as(torch.from_numpy(window_mask(lens.numpy(), past, w)), dtype)
     keys = torch.randn(spec.cache_shape(past), generator=generator).to(dtype)
     values = torch.randn(spec.cache_shape(past), generator=generator).to(dtype)
     return tuple(t.to(device) for t in (ids, positions, mask, keys, values))
+
+
+def mask_as(mask, dtype):
+    """An additive mask in another float dtype, blocked entries at that dtype's finfo.min (a plain cast
+    of float32's min overflows to -inf in float16)."""
+    import torch
+
+    return torch.where(mask == 0, 0.0, torch.finfo(dtype).min).to(dtype)
 
 
 def parity_prefix_lengths(spec: BlockSpec) -> list[int]:
@@ -300,7 +308,7 @@ def _latency_ms(fn, args, iters: int, sync) -> float:
     return (time.perf_counter() - start) / iters * 1000
 
 
-def build_tensorrt(model, tokenizer, spec: BlockSpec, out_dir: Path, cfg: ExportConfig) -> dict:
+def build_tensorrt(model, tokenizer, spec: BlockSpec, out_dir: Path, cfg: ExportConfig, device: str = "cuda") -> dict:
     """Compile the block forward with Torch-TensorRT (static shapes, prefix axis at its maximum, masked)
     in ``cfg.trt_dtype`` and save it as ``model_trt.ep``; returns its manifest entry with parity and
     latency against PyTorch eager on the same GPU."""
@@ -310,11 +318,12 @@ def build_tensorrt(model, tokenizer, spec: BlockSpec, out_dir: Path, cfg: Export
     import torch_tensorrt
 
     dtype = getattr(torch, cfg.trt_dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     # Copies: the caller's fp32 CPU model stays as it is (its ONNX export is already written).
-    gpu = block_forward(copy.deepcopy(model)).to("cuda", dtype)
+    gpu = block_forward(copy.deepcopy(model)).to(device, dtype)
     past = spec.max_prefix
     generator = torch.Generator().manual_seed(2)
-    args = example_inputs(spec, [past] * spec.batch_size, past, dtype=dtype, device="cuda", generator=generator)
+    args = example_inputs(spec, [past] * spec.batch_size, past, dtype=dtype, device=device, generator=generator)
     with torch.no_grad():
         program = torch.export.export(gpu, args, strict=False)
     options = {"arg_inputs": list(args), "min_block_size": 1}
@@ -329,22 +338,23 @@ def build_tensorrt(model, tokenizer, spec: BlockSpec, out_dir: Path, cfg: Export
                         arg_inputs=list(args), retrace=True)
 
     # Parity: TRT (trt_dtype) vs eager in the same dtype and vs eager fp32, on ragged prefixes.
-    fp32 = block_forward(copy.deepcopy(model)).to("cuda", torch.float32)
+    fp32 = block_forward(copy.deepcopy(model)).to(device, torch.float32)
     parity = {}
     for length in parity_prefix_lengths(spec):
         host = text_inputs(model, tokenizer, spec, _ragged(length, spec.batch_size), past, generator=generator)
-        inputs = tuple(t.to("cuda", dtype) if t.is_floating_point() else t.cuda() for t in host)
+        ids, positions, mask, keys, values = (t.to(device) for t in host)
+        inputs = (ids, positions, mask_as(mask, dtype), keys.to(dtype), values.to(dtype))
         with torch.no_grad():
             got = compiled(*inputs)[0].float()
             same = gpu(*inputs)[0].float()
-            ref = fp32(*(t.cuda() for t in host))[0]
+            ref = fp32(ids, positions, mask, keys, values)[0]
         parity[str(length)] = {
             "max_abs_logits_vs_eager_same_dtype": float((got - same).abs().max()),
             "max_abs_logits_vs_eager_fp32": float((got - ref).abs().max()),
             "argmax_agreement_vs_eager_fp32": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
         }
-    trt_ms = _latency_ms(compiled, args, cfg.latency_iters, torch.cuda.synchronize)
-    eager_ms = _latency_ms(gpu, args, cfg.latency_iters, torch.cuda.synchronize)
+    trt_ms = _latency_ms(compiled, args, cfg.latency_iters, sync)
+    eager_ms = _latency_ms(gpu, args, cfg.latency_iters, sync)
     return {
         "status": "built",
         "file": TRT_FILE,
@@ -352,7 +362,7 @@ def build_tensorrt(model, tokenizer, spec: BlockSpec, out_dir: Path, cfg: Export
         "torch_tensorrt_version": torch_tensorrt.__version__,
         "dtype": cfg.trt_dtype,
         "past_axis": {"kind": "static", "size": past, "note": "unused slots are hidden by the mask"},
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
         "build_s": round(build_s, 2),
         "parity": parity,
         "latency_ms": {"tensorrt": round(trt_ms, 4), "eager": round(eager_ms, 4),
@@ -455,6 +465,25 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, cfg: ExportConfig
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"export: wrote {out} ({len(manifest['files'])} files + {MANIFEST})")
     return manifest
+
+
+def stand_in_checkpoint(params: dict, out: str | Path) -> Path:
+    """The profile's base model (``model:`` in params, random weights) saved as a MARS checkpoint.
+
+    For latency and TensorRT build checks where no trained checkpoint exists: shapes, not weights,
+    decide the timings. ``config.mars.base`` says it is a stand-in.
+    """
+    from mars.config import section
+    from mars.tiny import ModelConfig, build_base
+
+    model, tokenizer, info = build_base(section(params, "model", ModelConfig), params.get("seed", 0))
+    block = (params.get("train") or {}).get("block_size", 4)
+    model.config.mars = {"block_size": block, "mask_token_id": info.token_id, "objective": "mars", "w_ar": 1.0,
+                         "stage": "mars", "block_offset": "fixed", "base": "stand-in: random weights"}
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return Path(out)
 
 
 def cli(argv: list[str], verb: str = "export") -> int:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -226,9 +224,7 @@ def test_onnxruntime_decoder_gives_the_pytorch_decoders_tokens(exported, checkpo
         assert got.tokens_per_forward == 1.0
 
 
-def test_engine_refuses_what_its_graph_cannot_hold(exported, checkpoint):
-    from mars.decoding import generate
-
+def test_engine_refuses_what_its_graph_cannot_hold(exported):
     engine = ExportedBlock(exported[0])
     with pytest.raises(EngineError, match="exceeds the export's batch of 2"):
         engine.generate(["x"], batch_size=3)
