@@ -281,3 +281,20 @@ def test_cli_generate_json(smollm2_dir, tmp_path, capsys):
     (tmp_path / "none.yaml").write_text("decode: {tau: 2.0}\n")
     with pytest.raises(MarsError, match="decode.tau"):
         cli(argv)
+
+
+def test_bench_reports_medians_speedups_and_ceiling_against_hf():
+    from mars.bench import format_table, run
+
+    model = mars_model()
+    report = run(model, None, random_prompts((5, 9, 3)), batch_sizes=[1, 2], taus=[1.0, 0.5], block_size=B,
+                 max_new_tokens=6, b_cache=None, repeats=1)
+    rows = {(r["batch_size"], r["method"], r["tau"]): r for r in report["rows"]}
+    assert set(rows) == {(bs, m, t) for bs in (1, 2) for m, t in (("hf_generate", None), ("mars", 1.0),
+                                                                   ("mars", 0.5))}
+    for bs in (1, 2):
+        assert rows[bs, "hf_generate", None]["speedup_vs_hf"] == 1.0
+        assert rows[bs, "mars", 1.0]["tokens"] == rows[bs, "hf_generate", None]["tokens"]  # same greedy output
+        assert rows[bs, "mars", 1.0]["ceiling_speedup"] == 1.0
+        assert rows[bs, "mars", 0.5]["tokens_per_forward"] > 1.0 and rows[bs, "mars", 0.5]["ceiling_speedup"] > 0
+    assert "mars tau=0.5" in format_table(report)
