@@ -491,8 +491,9 @@ def cli(argv: list[str], verb: str = "export") -> int:
 
     parser = argparse.ArgumentParser(prog=f"mars {verb}", description=__doc__.splitlines()[0])
     add_params_arguments(parser)
-    parser.add_argument("--checkpoint", required=True, help="MARS checkpoint directory (e.g. checkpoints/mars/final)")
-    parser.add_argument("--out", required=True, help="export directory to write (e.g. exports/mars)")
+    parser.add_argument("--checkpoint", default="checkpoints/mars/final",
+                        help="MARS checkpoint directory (default: checkpoints/mars/final)")
+    parser.add_argument("--out", default="exports/mars", help="export directory to write (default: exports/mars)")
     args = parser.parse_args(argv)
     cfg = section(params_from_args(args), "export", ExportConfig)
     export_checkpoint(args.checkpoint, args.out, cfg)
