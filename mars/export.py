@@ -56,6 +56,9 @@ class ExportConfig:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.window > self.max_context:
             raise ConfigError(f"window: W={self.window} is larger than max_context={self.max_context}")
+        if self.max_context - self.window < 2:  # the prefix cache axis needs a range to be dynamic
+            raise ConfigError(f"window: W={self.window} leaves {self.max_context - self.window} of max_context="
+                              f"{self.max_context} for the prefix cache; it needs at least 2")
         if self.opset < 18:
             raise ConfigError(f"opset: the dynamo exporter needs opset >= 18, got {self.opset}")
         if self.parity_atol <= 0:
@@ -407,8 +410,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, cfg: ExportConfig
     model, tokenizer = load_model(checkpoint, dtype="float32", attn_implementation="sdpa")
     check_shapes(cfg, model.config, mars)
     mask_id = int(mars["mask_token_id"])
-    if mask_id >= len(tokenizer):
-        raise ExportError(f"{checkpoint}: mask_token_id {mask_id} is not in the tokenizer ({len(tokenizer)} tokens)")
+    if mask_id not in tokenizer.all_special_ids:
+        found = repr(tokenizer.convert_ids_to_tokens(mask_id)) if mask_id < len(tokenizer) else "not in the tokenizer"
+        raise ExportError(f"{checkpoint}: config.mars.mask_token_id {mask_id} is {found}, not a special token of its "
+                          f"tokenizer ({len(tokenizer)} tokens): the tokenizer files do not match the checkpoint")
     spec = block_spec(model.config, cfg.batch_size, cfg.window, cfg.max_context)
 
     with atomic_dir(out) as tmp:
