@@ -238,6 +238,26 @@ def shard(indices: list[int], rank: int, world: int, accum: int) -> list[list[in
     return [mine[m * per_micro:(m + 1) * per_micro] for m in range(accum)]
 
 
+def shard_positions(indices: list[int], rank: int, world: int, accum: int) -> list[tuple[int, list[int]]]:
+    """:func:`shard`, each micro-batch with the position of its first example in the global batch."""
+    per_micro = len(indices) // (world * accum)
+    return [((rank * accum + m) * per_micro, idx) for m, idx in enumerate(shard(indices, rank, world, accum))]
+
+
+def offset_generator(seed: int, step: int, first: int, block_size: int) -> torch.Generator:
+    """The generator ``build_batch`` draws random block offsets from, one per example in order.
+
+    It is the step's generator advanced past the examples of the global batch before this
+    micro-batch, so every example gets the offset it would get in one process: random offsets
+    depend on neither the number of processes nor gradient accumulation, and a resumed run redraws
+    the same ones.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if first:
+        torch.randint(0, block_size, (first,), generator=gen)  # the draws build_batch made for earlier examples
+    return gen
+
+
 # ------------------------------------------------------------------------------------ checkpoints
 def step_dir(out: Path, step: int) -> Path:
     return out / "steps" / f"{STEP_PREFIX}{step:08d}"
@@ -483,13 +503,11 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
             t0 = time.perf_counter()
             epoch, indices = order.step(step)
             batches = []
-            for micro, idx in enumerate(shard(indices, rank, world, cfg.grad_accum)):
-                # random block offsets depend on (seed, step, rank, micro) only: a resumed run redraws them
-                gen = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1024 + rank) * 64 + micro)
+            for first, idx in shard_positions(indices, rank, world, cfg.grad_accum):
                 batches.append(build_batch([examples[i] for i in idx], objective=objective,
                                            block_size=m.block_size, mask_token_id=mask_id, pad_token_id=pad_id,
                                            block_offset=m.block_offset, drop_prompt=m.drop_prompt,
-                                           generator=gen).to(device))
+                                           generator=offset_generator(seed, step, first, m.block_size)).to(device))
             counts = torch.tensor([[b.num_targets()["mask"], b.num_targets()["ar"], int(b.layout.valid.sum())]
                                    for b in batches], dtype=torch.float64, device=device).sum(0)
             counts = accelerator.reduce(counts, reduction="sum")

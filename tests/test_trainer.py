@@ -188,12 +188,25 @@ def test_w_ar_zero_ablation_at_block_16_trains_on_l_mask_alone(init_dir, tmp_pat
     assert json.loads((res.final_dir / "config.json").read_text())["mars"]["w_ar"] == 0.0
 
 
+def test_random_block_offsets_do_not_depend_on_how_the_batch_is_split():
+    from mars.trainer import offset_generator, shard_positions
+
+    idx = list(range(100, 116))
+    whole = torch.randint(0, 4, (16,), generator=offset_generator(7, 3, 0, 4)).tolist()
+    for world, accum in ((2, 1), (2, 4), (1, 8)):
+        parts = [(first, part) for r in range(world) for first, part in shard_positions(idx, r, world, accum)]
+        assert sum((p for _, p in parts), []) == idx
+        drawn = sum((torch.randint(0, 4, (len(p),), generator=offset_generator(7, 3, first, 4)).tolist()
+                     for first, p in parts), [])
+        assert drawn == whole
+
+
 def test_gradient_accumulation_matches_one_big_batch(init_dir, tmp_path):
     """Micro-batches are normalised by the step's global token counts, so accumulation changes nothing."""
     data = copy_examples(32)
     finals = []
     for accum in (1, 4):
-        cfg = config(grad_accum=accum, mars={"max_steps": 4, "block_size": 4})
+        cfg = config(grad_accum=accum, mars={"max_steps": 4, "block_size": 4, "block_offset": "random"})
         res = train(cfg, stage="mars", init=init_dir, examples=data, out=tmp_path / f"a{accum}",
                     metrics_path=tmp_path / f"a{accum}.tsv", progress=False)
         finals.append((rows(res.metrics_path), load_file(res.final_dir / "model.safetensors")))
