@@ -114,6 +114,12 @@ def _check(value: Any, hint: Any, key: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return build(hint, value, key)
     if hint is float:
+        if isinstance(value, str):
+            # YAML 1.1 (PyYAML, and what `dvc exp run -S` writes) reads 3e-3 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)

@@ -39,6 +39,10 @@ def test_overrides_parse_yaml_values_like_dvc_exp_run_s():
     assert (cfg.steps, cfg.mode, cfg.taus) == (7, "random", [1.0, 0.9])
 
 
+def test_exponent_floats_that_yaml_1_1_reads_as_strings_are_numbers():
+    assert section(resolve(RAW, ["train.lr=3e-3"]), "train", Knobs).lr == 0.003
+
+
 @pytest.mark.parametrize("override,message", [
     ("train.lr=fast", "train.lr: expected a number"),
     ("train.steps=2.5", "train.steps: expected an integer"),
