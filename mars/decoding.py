@@ -313,15 +313,18 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
     seq = torch.full((b, total + 1), mask_id, dtype=torch.long)  # column `total` takes rejected slots
     for i, p in enumerate(prompts):
         seq[i, : len(p)] = torch.tensor(list(p))
-    length, cached = prompt_len.clone(), prompt_len - 1
     forwards = torch.zeros(b, dtype=torch.long)
     rows = torch.arange(b)  # input index of each live row
     tau_d, greedy_d, stop_d = put(tau), put(tau >= 1.0), put(stop_ids)
     # At tau = 1 every row takes one token per step, so one-position blocks are exact and cheapest.
     block = None if b_cache is None else (b_cache if slots > 1 else 1)
+    # Token level: the first step's window is the whole prompt (+ masks), so the prefill is also the first
+    # decoding step (one forward fewer per batch, as in HF generate). Block level keeps the prefix of
+    # all but the last prompt token in the cache: it commits one block per step.
+    length, cached = prompt_len.clone(), (prompt_len - 1 if block is not None else torch.zeros(b, dtype=torch.long))
     slot = torch.arange(slots)
     out = _Rows([[] for _ in range(b)], [0] * b, [False] * b, 0)
-    backend.start([list(p[:-1]) for p in prompts])
+    backend.start([list(p[:-1]) if block is not None else [] for p in prompts])
     while rows.numel():
         u = length - cached  # real tokens not in the cache yet (>= 1)
         if block is None:
