@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -279,6 +280,20 @@ FAST = [
 ]
 
 
+def run_script(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout the whole group (server, worker) is stopped."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"{cmd[0]} did not finish in {timeout} s:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
 def copy_project(dest: Path) -> Path:
     """This checkout's files (tracked and untracked, not ignored) in a fresh git repo at ``dest``."""
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
@@ -359,13 +374,12 @@ def test_tiny_pipeline_end_to_end_through_the_flow(pipeline_run, tmp_path):
     assert {"mars", "ar_control"} <= set(status) and not {"base", "prepare", "sft"} & set(status)
 
     # the deployment from prefect.yaml runs when triggered, with a process worker
-    smoke = subprocess.run([str(REPO / "infra/prefect/deploy_smoke.sh"), str(root)], capture_output=True,
-                           text=True, timeout=900, env={k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"})
-    assert smoke.returncode == 0, smoke.stdout[-4000:] + smoke.stderr[-4000:]
+    smoke = run_script([str(REPO / "infra/prefect/deploy_smoke.sh"), str(root)], timeout=900)
+    assert smoke.returncode == 0, smoke.stdout[-6000:]
     assert "Flow run finished successfully in 'Completed'" in smoke.stdout
 
     # a failing gate stops the flow before promote; the prod pointer stays where it was
-    rejected = run_flow(project_dir=str(root), overrides=["gate.tolerance=-1.0"])
+    rejected = run_flow(project_dir=str(root), overrides=["gate.min_tokens_per_forward=100.0"])
     assert rejected.name == "GateRejected", rejected.message
     assert "stage-promote" not in task_states(rejected)
     again = tmp_path / "again"
@@ -383,4 +397,7 @@ def test_tiny_pipeline_end_to_end_through_the_flow(pipeline_run, tmp_path):
     assert resumed.is_completed(), resumed.message
     outcomes = {k: v["outcome"] for k, v in resumed.result()["stages"].items()}
     assert all(outcomes[s] == "unchanged" for s in ("base", "prepare", "sft", "mars", "ar_control", "evaluate"))
-    assert outcomes["export"] in {"ran", "restored"}
+    # export failed on its config before touching its output, so DVC finds it in line with params.yaml
+    # again; the gate decision on disk is the rejected one of the run before, so the gate is redone
+    # (from DVC's run cache: it ran with these very inputs before)
+    assert outcomes["gate"] in {"ran", "restored"} and resumed.result()["gate"]["passed"]

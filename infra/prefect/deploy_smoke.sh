@@ -26,11 +26,18 @@ export PREFECT_UI_ENABLED=false
 port=$("$bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 export PREFECT_API_URL=http://127.0.0.1:$port/api
 
-pids=()
+pids=()  # server first, then worker
+stop() {  # SIGINT (a worker shuts down on it), then SIGKILL after 20 s
+  local pid=$1
+  kill -INT "$pid" 2>/dev/null || return 0
+  for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+  kill -KILL "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+}
 cleanup() {
   local status=$?
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  # the worker before the server: a worker whose server is gone keeps retrying instead of exiting
+  for (( i=${#pids[@]}-1; i>=0; i-- )); do stop "${pids[i]}"; done
   if (( status != 0 )); then
     echo "--- server log"; tail -n 40 "$work/server.log" 2>/dev/null || true
     echo "--- worker log"; tail -n 80 "$work/worker.log" 2>/dev/null || true
@@ -39,6 +46,7 @@ cleanup() {
   exit "$status"
 }
 trap cleanup EXIT
+trap 'exit 143' TERM INT  # run the cleanup when stopped from outside too
 
 step() { echo "[deploy_smoke $(date +%H:%M:%S)] $*"; }
 
@@ -68,5 +76,5 @@ step "process worker"
 pids+=($!)
 
 step "trigger mars-pipeline/manual and watch it"
-"$bin/prefect" deployment run mars-pipeline/manual --watch --watch-timeout 900 "$@"
+"$bin/prefect" deployment run mars-pipeline/manual --watch --watch-timeout 600 "$@"
 step "run completed"
