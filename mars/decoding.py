@@ -154,16 +154,17 @@ def accept(logits: torch.Tensor, tau: torch.Tensor, greedy: torch.Tensor, stop_i
     accepted ones end in a stop token.
     """
     logits = logits.float()
-    tokens = logits.argmax(-1)  # the same pick as HF greedy (first index on ties)
-    slots = torch.arange(tokens.shape[1], device=tokens.device)
-    if tokens.shape[1] == 1:  # one slot (tau = 1 everywhere): always accepted, no probability needed
-        ok = torch.ones_like(tokens, dtype=torch.bool)
-    else:
-        prob = torch.softmax(logits, -1).amax(-1)
-        ok = ((prob >= tau[:, None]) | (slots == 0)) & ~(greedy[:, None] & (slots > 0))
+    top, tokens = logits.max(-1)  # the same pick as HF greedy (first index on ties)
     is_stop = torch.isin(tokens, stop_ids)
-    stop_before = (is_stop.cumsum(1) - is_stop.long()) > 0
-    ok &= ~stop_before & (slots[None, :] < room[:, None])
+    if tokens.shape[1] == 1:  # one slot (tau = 1 everywhere): always accepted, no probability needed
+        n = (room > 0).long()
+        return tokens, n, is_stop[:, 0] & (n > 0)
+    # The softmax's largest entry, 1 / sum(exp(l - max)), without materialising the softmax over the vocab.
+    prob = (logits - top[..., None]).exp_().sum(-1).reciprocal_()
+    slots = torch.arange(tokens.shape[1], device=tokens.device)
+    ok = (prob >= tau[:, None]) & ~greedy[:, None] & (slots < room[:, None])
+    ok[:, 0] = room > 0  # slot 0 always is (when the row has room)
+    ok[:, 1:] &= ~is_stop[:, :-1]  # nothing after a stop token (the cumprod carries the cut on)
     keep = ok.long().cumprod(1).bool()
     n = keep.sum(1)
     stopped = (keep & is_stop).any(1)
