@@ -297,6 +297,7 @@ class _Rows:
     model_calls: int
 
 
+@torch.inference_mode()  # no autograd bookkeeping on the per-step bookkeeping ops either
 def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, slots: int, tau: torch.Tensor,
                   room: Sequence[int], stop_ids: torch.Tensor, mask_id: int, b_cache: int | None = None) -> _Rows:
     """The cached decoding loop over one batch (token level, or block level with ``b_cache``).
@@ -311,7 +312,11 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
     prompt_len = torch.tensor([len(p) for p in prompts])
     room = torch.tensor(list(room))
     total = int((prompt_len + room).max())
-    seq = torch.full((b, total + 1), mask_id, dtype=torch.long)  # column `total` takes rejected slots
+    # Every step's window is a plain gather from `seq`: beyond each row's length it holds mask tokens, far
+    # enough for any window (the widest reaches a cache block + 2B past the cached prefix); the last
+    # column takes the rejected slots.
+    trash = total + (b_cache or 0) + 2 * slots
+    seq = torch.full((b, trash + 1), mask_id, dtype=torch.long)
     for i, p in enumerate(prompts):
         seq[i, : len(p)] = torch.tensor(list(p))
     forwards = torch.zeros(b, dtype=torch.long)
@@ -324,6 +329,7 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
     # all but the last prompt token in the cache: it commits one block per step.
     length, cached = prompt_len.clone(), (prompt_len - 1 if block is not None else torch.zeros(b, dtype=torch.long))
     slot = torch.arange(slots)
+    offsets = torch.arange(trash)
     out = _Rows([[] for _ in range(b)], [0] * b, [False] * b, 0)
     backend.start([list(p[:-1]) if block is not None else [] for p in prompts])
     while rows.numel():
@@ -337,16 +343,19 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
             stepping = torch.ones_like(u, dtype=torch.bool) if commit_now else u <= block
             width = max(block, int(u[stepping].max()) + slots - 1)
             commit = torch.full_like(u, block if commit_now else 0)
-        index = cached[:, None] + torch.arange(width)
-        window = torch.where(index < length[:, None], seq.gather(1, index.clamp(max=total)), mask_id)
-        read = ((u - 1)[:, None] + slot).clamp(max=width - 1)
-        logits = backend.forward(put(window), put(index), put(read))
+        index = cached[:, None] + offsets[:width]
+        read = (u - 1)[:, None] + slot
+        if stepping is not None:  # a waiting row reads nothing it uses; keep its reads inside the window
+            read = read.clamp(max=width - 1)
+        logits = backend.forward(put(seq.gather(1, index)), put(index), put(read))
         step_room = room if stepping is None else torch.where(stepping, room, 0)
-        tokens, n, stopped = (t.cpu() for t in accept(logits, tau_d, greedy_d, stop_d, put(step_room)))
+        tokens, n, stopped = accept(logits, tau_d, greedy_d, stop_d, put(step_room))
+        if dev.type != "cpu":
+            tokens, n, stopped = tokens.cpu(), n.cpu(), stopped.cpu()
         out.model_calls += 1
         backend.commit(put(commit))
         cached += commit
-        seq.scatter_(1, torch.where(slot < n[:, None], length[:, None] + slot, total), tokens)
+        seq.scatter_(1, torch.where(slot < n[:, None], length[:, None] + slot, trash), tokens)
         length += n
         room -= n
         forwards += 1 if stepping is None else stepping.long()
