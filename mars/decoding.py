@@ -211,8 +211,8 @@ class TorchBackend:
         self._new_cache = lambda: DynamicCache(config=model.config)
         _attention_mask(model, torch.ones(1, 1, 1, dtype=torch.bool))  # fail early on flash/flex attention
         self.cache = None
-        self.key_valid = None  # [b, T] bool: which cache entries each row may attend to
-        self._all_valid = True  # key_valid has no False entry (no padding, no holes)
+        self.key_valid = None  # [b, T] bool: which cache entries each row may attend to (None: all of them)
+        self._length = 0  # T, the cache entries per row
         self._pending = 0
 
     @torch.inference_mode()
@@ -227,8 +227,8 @@ class TorchBackend:
                 ids[i, width - len(prefix):] = torch.tensor(prefix)
                 valid[i, width - len(prefix):] = True
         ids, valid = ids.to(self.device), valid.to(self.device)
-        self.key_valid = valid
-        self._all_valid = bool(valid.all())
+        self.key_valid = None if bool(valid.all()) else valid
+        self._length = width
         if width == 0:
             return
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
@@ -241,7 +241,7 @@ class TorchBackend:
     @torch.inference_mode()
     def forward(self, window_ids, positions, read=None):
         b, width = window_ids.shape
-        if self._all_valid:
+        if self.key_valid is None:
             mask = None  # no padding, no holes: the model's own causal mask (its fast path) is exact
         else:
             causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
@@ -254,25 +254,32 @@ class TorchBackend:
         self._pending = width
         if read is None:
             return out.logits
+        if width - first == 1 and read.shape[1] == 1:  # every row reads the one position kept (an AR step)
+            return out.logits
         rows = torch.arange(b, device=self.device)[:, None]
         return out.logits[rows, read - first]
 
     def commit(self, n_accept):
         n_accept = n_accept.to(self.device)
-        keep = int(n_accept.max()) if n_accept.numel() else 0
+        least, keep = (int(v) for v in n_accept.aminmax()) if n_accept.numel() else (0, 0)
         if self._pending > keep:
             self.cache.crop(keep - self._pending)
-        new = torch.arange(keep, device=self.device)[None, :] < n_accept[:, None]
-        self.key_valid = torch.cat([self.key_valid, new], 1)
-        self._all_valid = self._all_valid and bool(new.all())
+        if self.key_valid is not None or least < keep:  # rows keep different counts: holes to mask out
+            if self.key_valid is None:
+                self.key_valid = torch.ones(len(n_accept), self._length, dtype=torch.bool, device=self.device)
+            new = torch.arange(keep, device=self.device)[None, :] < n_accept[:, None]
+            self.key_valid = torch.cat([self.key_valid, new], 1)
+        self._length += keep
         self._pending = 0
 
     def retain(self, rows):
         rows = rows.to(self.device)
-        self.key_valid = self.key_valid[rows]
         # Also drop cache columns no remaining row attends to (the padding of a longer, finished prompt).
-        columns = self.key_valid.any(0)
-        shrink = not bool(columns.all())
+        columns, shrink = None, False
+        if self.key_valid is not None:
+            self.key_valid = self.key_valid[rows]
+            columns = self.key_valid.any(0)
+            shrink = not bool(columns.all())
         for layer in self.cache.layers:
             if not getattr(layer, "is_initialized", False) or layer.keys.numel() == 0:
                 continue
@@ -281,7 +288,9 @@ class TorchBackend:
                 layer.keys, layer.values = layer.keys[:, :, columns], layer.values[:, :, columns]
         if shrink:
             self.key_valid = self.key_valid[:, columns]
-        self._all_valid = bool(self.key_valid.all())
+            self._length = self.key_valid.shape[1]
+        if self.key_valid is not None and bool(self.key_valid.all()):
+            self.key_valid = None
 
 
 # --------------------------------------------------------------------------------------------- the loops
