@@ -485,6 +485,9 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
         start = int(json.loads((ckpt / STATE_FILE).read_text())["step"])
     elif main and (out / "steps").exists():
         shutil.rmtree(out / "steps")  # a fresh run must never be resumed into later from stale steps
+    if main:
+        # the steps folder is a declared (persistent) DVC output: it exists even when no step was saved
+        (out / "steps").mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
 
     log = MetricsLog(metrics_path, start) if main else None

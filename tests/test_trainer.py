@@ -157,6 +157,7 @@ def test_sft_learns_and_writes_a_self_describing_checkpoint(init_dir, tmp_path):
                     "block_offset": "fixed", "base": str(init_dir)}
     run = json.loads((final / "mars_run.json").read_text())
     assert run["steps"] == 30 and run["processes"] == 1
+    assert (tmp_path / "sft" / "steps").is_dir(), "declared DVC output, even with no step saved (save_every > steps)"
 
 
 def test_mars_stage_logs_both_losses_and_ar_control_runs_as_many_steps(init_dir, tmp_path):
