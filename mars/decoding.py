@@ -33,8 +33,9 @@ mars.export) can serve it. All arguments are torch tensors; ids/positions are in
 
 ``start(prefixes: list[list[int]]) -> None``
     Reset the cache and fill row i with the tokens ``prefixes[i]`` at positions 0..len-1 (a prefix may
-    be empty). The decoder passes each prompt without its last token: that token is the first real
-    token of the first window.
+    be empty). With the block-level cache the decoder passes each prompt without its last token (that
+    token is the first real token of the first window); with the token-level cache it passes empty
+    prefixes and the first window is the whole prompt, so the prefill is also the first decoding step.
 ``forward(window_ids [b, W], positions [b, W], read [b, S] | None = None) -> logits``
     Score a window against each row's committed cache: window entry k of row i attends to row i's
     committed entries and to window entries 0..k (causal inside the window). The window's K/V entries
@@ -42,7 +43,8 @@ mars.export) can serve it. All arguments are torch tensors; ids/positions are in
     (``[b, W, V]`` when ``read`` is None). A window always starts with >= 1 real token per row and may
     end in mask tokens beyond what a row needs; a backend with a fixed width may pad it on the right
     with more mask tokens at the following positions (a trailing entry never changes an earlier one)
-    and slice its logits. W <= 2B-1 (token level), W <= C+2B-1 (block level).
+    and slice its logits. W <= 2B-1 (token level; the first window: the longest prompt + B-1),
+    W <= C+2B-1 (block level).
 ``commit(n_accept [b]) -> None``
     Keep the first ``n_accept[i]`` pending entries of row i in its cache and drop the rest. The
     decoder only commits entries that were real tokens in that forward. Rows may commit different
