@@ -31,21 +31,27 @@ def atomic_dir(out: str | Path) -> Iterator[Path]:
     tmp.chmod(0o755)  # mkdtemp makes it private; outputs are ordinary shared folders
     try:
         yield tmp
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{time.time_ns()}")
-            out.rename(old)
-        try:
-            tmp.rename(out)
-        except BaseException:
-            if old is not None:
-                old.rename(out)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished folder ``tmp`` to ``out`` (same parent); an existing ``out`` is swapped aside
+    first and deleted only once ``tmp`` is in place, or put back if the move fails."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{time.time_ns()}")
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        if old is not None:
+            old.rename(out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

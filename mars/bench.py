@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from mars.atomic import write_json
 from mars.decoding import (TorchBackend, add_model_arguments, encode_prompts, generate, load_decode_config,
                            load_for_decoding, stop_token_ids_of)
 from mars.errors import MarsError
@@ -201,10 +199,5 @@ def cli(argv: list[str], verb: str = "bench-decode") -> int:
     report.update(model=str(args.model), device=str(args.device), threads=torch.get_num_threads())
     print(format_table(report))
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=2)
-        os.replace(tmp, out)
+        write_json(args.json, report)
     return 0

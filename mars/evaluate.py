@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mars.atomic import write_json, write_jsonl
 from mars.benchmarks import BenchmarkConfig, Context, create
 from mars.config import add_params_arguments, params_from_args, section
 from mars.errors import ConfigError, MarsError
-from mars.gate import metric_key, write_json
+from mars.gate import metric_key
 from mars.sandbox import SandboxLimits
 
 
@@ -70,20 +69,6 @@ class EvalConfig:
 
 def tau_name(tau: float) -> str:
     return f"tau={float(tau)}"
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    """Write rows atomically (temp file in the same folder, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            for row in rows:
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -175,8 +160,8 @@ def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, o
     """Evaluate every checkpoint; write per-item outputs, metrics, plot data, PNGs and the report."""
     import torch
 
-    from mars.models import load_model
     from mars import plots
+    from mars.models import load_model
 
     if not checkpoints:
         raise MarsError("no checkpoint to evaluate (give --checkpoint NAME=DIR)")

@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import getpass
 import hashlib
-import json
-import os
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mars.atomic import read_json, write_json
 from mars.config import add_params_arguments, params_from_args, section
 from mars.errors import ConfigError, MarsError
 
@@ -162,33 +160,13 @@ def decide(metrics: dict, cfg: GateConfig) -> dict:
 
 def read_metrics(path: str | Path) -> dict:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise MarsError(f"{path}: no evaluation metrics (run mars evaluate first)") from None
-    except json.JSONDecodeError as err:
-        raise MarsError(f"{path}: not valid JSON ({err})") from None
+    data = read_json(path, "no evaluation metrics: run `mars evaluate` first")
     if not isinstance(data, dict):
         raise MarsError(f"{path}: expected an object of '<checkpoint>/<benchmark>/tau=<tau>' entries")
     for key, value in data.items():
         if not isinstance(value, dict) or not {"score", "tokens", "forwards"} <= set(value):
             raise MarsError(f"{path}: entry {key!r} lacks score/tokens/forwards")
     return data
-
-
-def write_json(path: str | Path, data: dict) -> None:
-    """Write ``data`` atomically (temp file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, allow_nan=True)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def run_gate(metrics_path: str | Path, out: str | Path, cfg: GateConfig) -> dict:

@@ -9,23 +9,16 @@ from __future__ import annotations
 
 import csv
 import math
-import os
-import tempfile
 from pathlib import Path
+
+from mars.atomic import atomic_path, write_text
 
 FIGURES = "figures"  # PNGs; eval/plots/ holds only the dvc plots data series
 
 
 def _save(fig, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _pyplot():
@@ -127,10 +120,7 @@ def write_report(metrics: dict, out_dir: Path, images: dict[str, Path], training
     if training is not None:
         lines += ["## Training curves", "", f"![training curves]({training.relative_to(out_dir).as_posix()})", ""]
     path = out_dir / "report.md"
-    fd, tmp = tempfile.mkstemp(prefix=".report.", dir=out_dir)
-    with os.fdopen(fd, "w") as fh:
-        fh.write("\n".join(lines))
-    os.replace(tmp, path)
+    write_text(path, "\n".join(lines))
     return path
 
 

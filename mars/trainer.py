@@ -42,6 +42,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from mars.atomic import atomic_dir, replace_dir, write_text
 from mars.batch import DualStreamBatch, build_batch
 from mars.errors import ConfigError, DataError, MarsError
 from mars.loss import compute_loss
@@ -285,25 +286,6 @@ def resolve_resume(resume: str, out: Path) -> Path | None:
     return path
 
 
-def atomic_replace_dir(tmp: Path, dest: Path) -> None:
-    """Move a finished folder into place; an existing ``dest`` is swapped out, then removed."""
-    old = dest.with_name(f".{dest.name}.old")
-    if old.exists():
-        shutil.rmtree(old)
-    if dest.exists():
-        dest.rename(old)
-    tmp.rename(dest)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 # ------------------------------------------------------------------------------------------ metrics
 class MetricsLog:
     """One TSV row per optimizer step (``dvc plots`` reads it); a resumed run continues it."""
@@ -315,7 +297,7 @@ class MetricsLog:
             with path.open() as fh:
                 kept = [r for r in csv.DictReader(fh, delimiter="\t") if int(r["step"]) <= resume_step]
         lines = ["\t".join(METRIC_COLUMNS)] + ["\t".join(r[c] for c in METRIC_COLUMNS) for r in kept]
-        write_text_atomic(path, "\n".join(lines) + "\n")
+        write_text(path, "\n".join(lines) + "\n")
         self.fh = path.open("a")
 
     def write(self, row: dict) -> None:
@@ -389,8 +371,11 @@ def _make_accelerator(cfg: TrainConfig):
 
 
 def _scheduler(cfg: TrainConfig, optimizer, total: int):
-    from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
-                              get_linear_schedule_with_warmup)
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
 
     warmup = math.ceil(cfg.warmup_ratio * total)
     if cfg.scheduler == "constant":
@@ -583,7 +568,7 @@ def _save_step(accelerator, out: Path, step: int, fingerprint: dict, keep: int) 
     if accelerator.is_main_process:
         # the state file is the completion marker: written last, then the folder is renamed into place
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, "fingerprint": fingerprint}, indent=2))
-        atomic_replace_dir(tmp, dest)
+        replace_dir(tmp, dest)
         for old in complete_checkpoints(out)[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
@@ -594,16 +579,12 @@ def _save_final(accelerator, model, tokenizer, final: Path, mars: dict, run: dic
     state = accelerator.get_state_dict(model)  # gathers FSDP / ZeRO shards; every process must call it
     if accelerator.is_main_process:
         state = {k.removeprefix("lm."): v for k, v in state.items()}
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".tmp-{final.name}")
-        if tmp.exists():
-            shutil.rmtree(tmp)
         unwrapped = accelerator.unwrap_model(model).lm
         unwrapped.config.mars = mars
-        unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "mars_run.json").write_text(json.dumps({**run, "mars": mars}, indent=2, default=str))
-        atomic_replace_dir(tmp, final)
+        with atomic_dir(final) as tmp:
+            unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "mars_run.json").write_text(json.dumps({**run, "mars": mars}, indent=2, default=str))
     accelerator.wait_for_everyone()
 
 

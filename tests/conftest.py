@@ -9,6 +9,9 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# The real S3 server fixtures (s3_server, store_uri), shared by the store, release and flow tests.
+pytest_plugins = ["s3_server"]
+
 
 def tiny_config(arch: str, attn: str = "sdpa", vocab: int = 96):
     from transformers import LlamaConfig, Qwen2Config

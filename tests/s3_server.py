@@ -1,6 +1,6 @@
 """A real S3 server for tests: SeaweedFS started through infra/s3/seaweedfs.sh (no mocks).
 
-Fixtures (import them into a test module: ``from s3_server import s3_server, store_uri``):
+Fixtures (registered for every test module by ``pytest_plugins`` in conftest.py):
 
 - ``s3_server`` (session): a running server. With ``MARS_TEST_S3_ENDPOINT``,
   ``MARS_TEST_S3_ACCESS_KEY`` and ``MARS_TEST_S3_SECRET_KEY`` set, that server is used as is;

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from s3_server import REPO, launch, s3_server, store_uri, use_server  # noqa: F401  (pytest fixtures)
+from s3_server import REPO, launch, use_server
 
 from mars.export import checkpoint_sha256
 from mars.release import (IntegrityError, ReleaseError, cli, list_releases, manifest_key, pointer_key, promote,

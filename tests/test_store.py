@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from s3_server import s3_server, store_uri, use_server  # noqa: F401  (pytest fixtures)
+from s3_server import use_server
 
 from mars.config import ConfigError, load_params
 from mars.store import (IntegrityError, NotFound, StoreConfig, StoreError, configure_dvc, object_key, open_store,
