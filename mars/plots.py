@@ -74,6 +74,19 @@ def read_train_tsv(path: Path) -> dict[str, list[float]]:
     return cols
 
 
+def running_mean(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` finite values (nan where none yet)."""
+    out, total, kept = [], 0.0, []
+    for v in values:
+        if not math.isnan(v):
+            kept.append(v)
+            total += v
+            if len(kept) > window:
+                total -= kept.pop(0)
+        out.append(total / len(kept) if kept else math.nan)
+    return out
+
+
 def plot_training(tsvs: dict[str, Path], path: Path) -> Path | None:
     curves = {stage: read_train_tsv(p) for stage, p in tsvs.items()}
     curves = {s: c for s, c in curves.items() if c.get("step")}
@@ -83,13 +96,19 @@ def plot_training(tsvs: dict[str, Path], path: Path) -> Path | None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for stage, cols in curves.items():
         for ax, name in zip(axes, ("loss", "l_mask", "l_ar")):
-            if name in cols and not all(math.isnan(v) for v in cols[name]):
-                ax.plot(cols["step"], cols[name], label=stage)
+            values = cols.get(name, [])
+            # AR stages have no noisy stream: their l_mask column is all zero, not a curve
+            if not values or all(math.isnan(v) or v == 0 for v in values):
+                continue
+            # per-step losses of small batches are noisy: the raw steps faint, a running mean on top
+            raw = ax.plot(cols["step"], values, alpha=0.2, linewidth=0.8)[0]
+            ax.plot(cols["step"], running_mean(values, max(1, len(values) // 50)), color=raw.get_color(),
+                    label=stage)
     for ax, name in zip(axes, ("loss", "l_mask (noisy stream)", "l_ar (clean stream)")):
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if ax.lines:
+        if any(line.get_label() and not line.get_label().startswith("_") for line in ax.lines):
             ax.legend()
     _save(fig, path)
     plt.close(fig)
