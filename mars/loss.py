@@ -66,7 +66,8 @@ def mars_loss(logits: torch.Tensor, targets: torch.Tensor, streams: torch.Tensor
     zero = ce.sum() * 0.0  # keeps the graph connected when a stream has no targets
     l_mask = ce[is_mask].sum() / d_mask if d_mask else zero
     l_ar = ce[is_ar].sum() / d_ar if d_ar else zero
-    loss = l_mask + w_ar * l_ar if n_mask or d_mask else l_ar
+    # a clean-only (ar objective) batch has no mask targets anywhere: L = L_AR
+    loss = l_mask + w_ar * l_ar if d_mask else l_ar
     return LossOutput(loss=loss, l_mask=l_mask, l_ar=l_ar, n_mask=n_mask, n_ar=n_ar)
 
 
