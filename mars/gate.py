@@ -170,10 +170,9 @@ def read_metrics(path: str | Path) -> dict:
 
 
 def run_gate(metrics_path: str | Path, out: str | Path, cfg: GateConfig) -> dict:
-    raw = Path(metrics_path).read_bytes() if Path(metrics_path).is_file() else b""
-    decision = decide(read_metrics(metrics_path), cfg)
+    decision = decide(read_metrics(metrics_path), cfg)  # raises first when the file is missing or malformed
     decision["metrics"] = str(metrics_path)
-    decision["metrics_sha256"] = hashlib.sha256(raw).hexdigest()
+    decision["metrics_sha256"] = hashlib.sha256(Path(metrics_path).read_bytes()).hexdigest()
     write_json(out, decision)
     return decision
 
