@@ -42,7 +42,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from mars.atomic import atomic_dir, replace_dir, write_text
+from mars.atomic import atomic_dir, read_json, replace_dir, write_text
 from mars.batch import DualStreamBatch, build_batch
 from mars.errors import ConfigError, DataError, MarsError
 from mars.loss import compute_loss
@@ -457,7 +457,8 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
     start = 0
     ckpt = resolve_resume(resume, out)
     if ckpt is not None:
-        diff = _mismatch(json.loads((ckpt / STATE_FILE).read_text())["fingerprint"], fingerprint)
+        state = read_json(ckpt / STATE_FILE)
+        diff = _mismatch(state["fingerprint"], fingerprint)
         if diff and resume != "auto":
             raise MarsError(f"cannot resume from {ckpt}: it belongs to a run with different {diff}; "
                             "use --resume no (or auto) to start over")
@@ -467,7 +468,7 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
             ckpt = None
     if ckpt is not None:
         accelerator.load_state(str(ckpt))
-        start = int(json.loads((ckpt / STATE_FILE).read_text())["step"])
+        start = int(state["step"])
     elif main and (out / "steps").exists():
         shutil.rmtree(out / "steps")  # a fresh run must never be resumed into later from stale steps
     if main:
