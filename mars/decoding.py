@@ -13,11 +13,10 @@ Three ways to run the same rule, all giving the same tokens:
 * **no cache** (``use_cache=False``): every step re-runs prompt + accepted tokens + masks. Slow and plain:
   the reference the cached paths are tested against.
 * **token-level cache** (``b_cache=None``, the default): after each step the cache keeps the tokens that
-  were real inputs of that step and drops the mask entries. In a batch, rows accept different counts;
-  the cache grows by the largest count and the shorter rows leave masked-out holes (positions stay
-  exact: position ids are explicit).
+  were real inputs of that step and drops the mask entries. In a batch, rows accept different counts
+  and each row's cache grows by its own count (positions are explicit per row).
 * **block-level cache** (``b_cache=C >= B``, paper Fig. 4): the cache grows one block of C positions
-  at a time, for every row at once, so no holes. Inside a block each step forwards the whole uncached
+  at a time, for every row at once. Inside a block each step forwards the whole uncached
   block (real tokens + masks) against the shared prefix cache; a row that has filled its block waits
   at the boundary until every row has; that step commits the block and every row steps. A row is never
   cut short at the boundary (it may run past it by up to B tokens), so the tokens are the same as with
@@ -41,7 +40,8 @@ mars.export) can serve it. All arguments are torch tensors; ids/positions are in
     committed entries and to window entries 0..k (causal inside the window). The window's K/V entries
     are held as *pending* until ``commit``. Returns float logits ``[b, S, V]`` at window indices ``read``
     (``[b, W, V]`` when ``read`` is None). A window always starts with >= 1 real token per row and may
-    end in mask tokens beyond what a row needs; a backend with a fixed width may pad it on the right
+    end in mask tokens beyond what a row needs (row i needs entries up to ``read[i].max()``, the rest
+    only pad the batch: a backend may skip them); a backend with a fixed width may pad it on the right
     with more mask tokens at the following positions (a trailing entry never changes an earlier one)
     and slice its logits. W <= 2B-1 (token level; the first window: the longest prompt + B-1),
     W <= C+2B-1 (block level).
@@ -67,6 +67,7 @@ from typing import Iterable, Protocol, Sequence
 import torch
 
 from mars.errors import ConfigError, MarsError
+from mars.torch_backend import TorchBackend
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -189,110 +190,6 @@ class DecodeBackend(Protocol):
     def commit(self, n_accept: torch.Tensor) -> None: ...
 
     def retain(self, rows: torch.Tensor) -> None: ...
-
-
-def _attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
-    """``allowed [b, q, k]`` in the form the model's attention takes as a 4D mask (used as given)."""
-    impl = getattr(model.config, "_attn_implementation", "sdpa")
-    if impl == "sdpa":
-        return allowed[:, None]
-    if impl == "eager":  # eager adds the mask to the scores: a boolean mask would be silently wrong
-        zero = torch.zeros((), dtype=model.dtype, device=allowed.device)
-        return torch.where(allowed[:, None], zero, torch.finfo(model.dtype).min)
-    raise MarsError(f"decoding needs attn_implementation 'sdpa' or 'eager' (4D masks), the model uses {impl!r}")
-
-
-class TorchBackend:
-    """The backend for a transformers causal LM, on a DynamicCache with a per-row key-validity mask."""
-
-    def __init__(self, model):
-        from transformers import DynamicCache
-
-        self.model = model
-        self.device = model.device
-        self._new_cache = lambda: DynamicCache(config=model.config)
-        _attention_mask(model, torch.ones(1, 1, 1, dtype=torch.bool))  # fail early on flash/flex attention
-        self.cache = None
-        self.key_valid = None  # [b, T] bool: which cache entries each row may attend to (None: all of them)
-        self._length = 0  # T, the cache entries per row
-        self._pending = 0
-
-    @torch.inference_mode()
-    def start(self, prefixes: list[list[int]]) -> None:
-        b, width = len(prefixes), max(map(len, prefixes))
-        self.cache = self._new_cache()
-        self._pending = 0
-        ids = torch.zeros(b, width, dtype=torch.long)
-        valid = torch.zeros(b, width, dtype=torch.bool)
-        for i, prefix in enumerate(prefixes):  # left padding
-            if prefix:
-                ids[i, width - len(prefix):] = torch.tensor(prefix)
-                valid[i, width - len(prefix):] = True
-        ids, valid = ids.to(self.device), valid.to(self.device)
-        self.key_valid = None if bool(valid.all()) else valid
-        self._length = width
-        if width == 0:
-            return
-        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-        eye = torch.eye(width, dtype=torch.bool, device=self.device)
-        allowed = (causal & valid[:, None, :]) | (eye & ~valid[:, :, None])  # a pad query sees itself only
-        self.model(input_ids=ids, position_ids=positions, attention_mask=_attention_mask(self.model, allowed),
-                   cache=self.cache, use_cache=True, logits_to_keep=1)
-
-    @torch.inference_mode()
-    def forward(self, window_ids, positions, read=None):
-        b, width = window_ids.shape
-        if self.key_valid is None:
-            mask = None  # no padding, no holes: the model's own causal mask (its fast path) is exact
-        else:
-            causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-            allowed = torch.cat([self.key_valid[:, None, :].expand(b, width, -1), causal.expand(b, -1, -1)], -1)
-            mask = _attention_mask(self.model, allowed)
-        # Only the logits that are read go through the LM head (it is a large share of a small model).
-        first = 0 if read is None else int(read.min())
-        out = self.model(input_ids=window_ids, position_ids=positions, attention_mask=mask, cache=self.cache,
-                         use_cache=True, logits_to_keep=width - first)
-        self._pending = width
-        if read is None:
-            return out.logits
-        if width - first == 1 and read.shape[1] == 1:  # every row reads the one position kept (an AR step)
-            return out.logits
-        rows = torch.arange(b, device=self.device)[:, None]
-        return out.logits[rows, read - first]
-
-    def commit(self, n_accept):
-        n_accept = n_accept.to(self.device)
-        least, keep = (int(v) for v in n_accept.aminmax()) if n_accept.numel() else (0, 0)
-        if self._pending > keep:
-            self.cache.crop(keep - self._pending)
-        if self.key_valid is not None or least < keep:  # rows keep different counts: holes to mask out
-            if self.key_valid is None:
-                self.key_valid = torch.ones(len(n_accept), self._length, dtype=torch.bool, device=self.device)
-            new = torch.arange(keep, device=self.device)[None, :] < n_accept[:, None]
-            self.key_valid = torch.cat([self.key_valid, new], 1)
-        self._length += keep
-        self._pending = 0
-
-    def retain(self, rows):
-        rows = rows.to(self.device)
-        # Also drop cache columns no remaining row attends to (the padding of a longer, finished prompt).
-        columns, shrink = None, False
-        if self.key_valid is not None:
-            self.key_valid = self.key_valid[rows]
-            columns = self.key_valid.any(0)
-            shrink = not bool(columns.all())
-        for layer in self.cache.layers:
-            if not getattr(layer, "is_initialized", False) or layer.keys.numel() == 0:
-                continue
-            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
-            if shrink:
-                layer.keys, layer.values = layer.keys[:, :, columns], layer.values[:, :, columns]
-        if shrink:
-            self.key_valid = self.key_valid[:, columns]
-            self._length = self.key_valid.shape[1]
-        if self.key_valid is not None and bool(self.key_valid.all()):
-            self.key_valid = None
 
 
 # --------------------------------------------------------------------------------------------- the loops

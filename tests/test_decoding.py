@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from mars.decoding import GenerationResult, TorchBackend, accept, cli, generate
+from mars.decoding import GenerationResult, accept, cli, generate
 from mars.errors import MarsError
+from mars.torch_backend import RowCache, TorchBackend
 
 VOCAB, MASK, EOS, B = 96, 95, 63, 4
 EOS_OF = {"llama": EOS, "qwen2": 85}  # a token each random model emits for some prompts and not others
@@ -106,7 +107,7 @@ def test_tau_one_is_hf_greedy_token_for_token(arch, attn):
     assert any(eos in r for r in alone) and any(eos not in r for r in alone)  # both endings are covered
     assert hf_greedy(model, prompts, 16) == alone
     for kwargs in (dict(batch_size=1), dict(batch_size=4), dict(batch_size=6, b_cache=B),
-                   dict(batch_size=4, use_cache=False)):
+                   dict(batch_size=4, use_cache=False), dict(batch_size=6, backend=TorchBackend(model, lean=False))):
         results = generate(model, None, prompts, tau=1.0, max_new_tokens=16, **kwargs)
         assert tokens(results) == alone, kwargs
         assert all(r.forwards == len(r.token_ids) for r in results)  # one token per forward
@@ -131,7 +132,8 @@ def test_cached_block_cached_and_no_cache_paths_agree_at_every_tau(arch, taus):
         reference = generate(model, None, prompts, tau=tau, max_new_tokens=16, batch_size=1, use_cache=False)
         speedups.append(reference.tokens_per_forward)
         for kwargs in (dict(batch_size=6, use_cache=False), dict(batch_size=1), dict(batch_size=6),
-                       dict(batch_size=4, b_cache=B), dict(batch_size=6, b_cache=7)):
+                       dict(batch_size=4, b_cache=B), dict(batch_size=6, b_cache=7),
+                       dict(batch_size=6, backend=TorchBackend(model, lean=False))):  # the generic model forward
             results = generate(model, None, prompts, tau=tau, max_new_tokens=16, **kwargs)
             assert tokens(results) == tokens(reference), (tau, kwargs)
             assert [r.forwards for r in results] == [r.forwards for r in reference], (tau, kwargs)
@@ -151,6 +153,30 @@ def test_per_sequence_tau_in_a_batch_gives_each_sequence_its_alone_output():
     # tau changes per call on the same loaded model: 1.0 is still HF greedy after a tau < 1 call
     assert tokens(generate(model, None, prompts[:2], tau=1.0, max_new_tokens=20)) == \
         [hf_greedy(model, [p], 20)[0] for p in prompts[:2]]
+
+
+def test_row_cache_keeps_rows_contiguous_and_grows_without_losing_entries():
+    cache = RowCache(layers=1, rows=2, kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu", capacity=4)
+    cache.window(3)
+    cache.write(0, torch.arange(1.0, 7.0).view(6, 1, 1), torch.zeros(6, 1, 1))  # rows 0 and 1: entries 0..2
+    cache.commit(torch.tensor([3, 1]))  # row 1 keeps one entry: its other two are rejected
+    allowed = cache.window(2, keep=torch.tensor([[True, True], [True, False]]))  # row 1 computes one entry
+    assert cache.capacity >= 5  # 3 committed + a window of 2
+    keys, _ = cache.write(0, torch.tensor([7.0, 8.0, 9.0]).view(3, 1, 1), torch.zeros(3, 1, 1))
+    assert keys[:, 0, :, 0].tolist() == [[1, 2, 3, 7, 8], [4, 9, 6, 0, 0]]  # row 1 overwrote its rejected entry
+    # window entry k of row i sees entries <= length[i] + k
+    assert allowed.int().tolist() == [[[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]]
+    cache.commit(torch.tensor([2, 1]))
+    cache.retain(torch.tensor([1]))
+    assert cache.length.tolist() == [2] and cache.keys[0][0, 0, :2, 0].tolist() == [4, 9]
+
+
+def test_lean_forward_is_for_llama_and_qwen2_only():
+    model = mars_model()
+    model.config.model_type = "mistral"
+    assert not TorchBackend.supports_lean(model) and not TorchBackend(model).lean
+    with pytest.raises(MarsError, match="lean forward supports llama, qwen2"):
+        TorchBackend(model, lean=True)
 
 
 class RecordingBackend(TorchBackend):
@@ -294,6 +320,9 @@ def test_bench_reports_medians_speedups_and_ceiling_against_hf():
                                                                    ("mars", 0.5))}
     for bs in (1, 2):
         assert rows[bs, "hf_generate", None]["speedup_vs_hf"] == 1.0
+        assert rows[bs, "hf_generate", None]["speedup_vs_ar"] is None and rows[bs, "mars", 1.0]["speedup_vs_ar"] == 1.0
+        assert rows[bs, "mars", 0.5]["speedup_vs_ar"] == pytest.approx(
+            rows[bs, "mars", 0.5]["speedup_vs_hf"] / rows[bs, "mars", 1.0]["speedup_vs_hf"])
         assert rows[bs, "mars", 1.0]["tokens"] == rows[bs, "hf_generate", None]["tokens"]  # same greedy output
         assert rows[bs, "mars", 1.0]["ceiling_speedup"] == 1.0
         assert rows[bs, "mars", 0.5]["tokens_per_forward"] > 1.0 and rows[bs, "mars", 0.5]["ceiling_speedup"] > 0

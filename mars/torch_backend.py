@@ -1,0 +1,223 @@
+"""The PyTorch decode backend: a per-row KV cache and a lean pass over the model's own layers.
+
+:mod:`mars.decoding` drives any backend through ``start / forward / commit / retain`` (see its module
+docstring). This one serves a transformers causal LM.
+
+The cache (:class:`RowCache`) is preallocated per layer as ``[rows, kv_heads, capacity, head_dim]``;
+entry ``j`` of row ``i`` is row i's token at position ``j`` of its own sequence, so there is no padding
+and no hole: row i's committed entries are ``0 .. length[i] - 1``. A forward writes its window right
+after them and a query at window index ``k`` attends to entries ``<= length[i] + k``. Whatever the
+accept rule rejects (mask entries, unaccepted tokens) lies beyond the committed length and is
+overwritten by the next window, so ``commit`` only moves ``length``; no copy, no crop.
+
+For Llama and Qwen2 (dense attention, no sliding window) the forward runs the model's own modules
+(norms, projections, rotary embedding, the configured attention function, MLP) in a plain loop over
+the layers with three savings that do not change a single operation on a used token:
+
+* **ragged windows**: a row only needs its window up to the last slot it reads (the decoder pads rows
+  with trailing mask tokens up to the widest row); tokens past that are not computed at all. The
+  per-token work (projections, MLP) runs on the packed tokens; attention runs on the padded layout.
+* **LM head at read positions only**: the final norm and LM head see ``[rows, slots]`` hidden states,
+  not ``[rows, W]``.
+* no mask building, no cache bookkeeping and no output capturing of the generic model forward.
+
+Other architectures run the generic ``model(...)`` forward with the same cache (it duck-types the
+``update`` call of a transformers ``Cache``) and an explicit 4D mask.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from mars.errors import MarsError
+
+LEAN_MODEL_TYPES = ("llama", "qwen2")
+
+
+def _attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
+    """``allowed [b, q, k]`` in the form the model's attention takes as a 4D mask (used as given)."""
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    if impl == "sdpa":
+        return allowed[:, None]
+    if impl == "eager":  # eager adds the mask to the scores: a boolean mask would be silently wrong
+        zero = torch.zeros((), dtype=model.dtype, device=allowed.device)
+        return torch.where(allowed[:, None], zero, torch.finfo(model.dtype).min)
+    raise MarsError(f"decoding needs attn_implementation 'sdpa' or 'eager' (4D masks), the model uses {impl!r}")
+
+
+class RowCache:
+    """Keys and values per layer, ``[rows, kv_heads, capacity, head_dim]``, entry j = position j of the row."""
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int, *, dtype, device, capacity: int = 64):
+        shape = (rows, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.length = torch.zeros(rows, dtype=torch.long, device=device)  # committed entries per row
+        self._write = None  # (row index [N], entry index [N]) of the window being written, see `window`
+        self._span = 0  # entries the window's attention reads
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def window(self, width: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Prepare a forward of ``width`` entries per row (``keep [b, W]``: the ones computed; None: all).
+
+        Returns the boolean attention mask ``[b, W, span]`` over the entries attention reads (``span =
+        length.max() + width``): window entry k of row i sees entries ``<= length[i] + k``.
+        """
+        b = self.length.shape[0]
+        slots = self.length[:, None] + torch.arange(width, device=self.length.device)  # [b, W]
+        span = int(self.length.max()) + width if b else width
+        if span > self.capacity:
+            self._grow(max(span, 2 * self.capacity))
+        rows = torch.arange(b, device=self.length.device)[:, None].expand(b, width)
+        self._write = (rows.reshape(-1), slots.reshape(-1)) if keep is None else (rows[keep], slots[keep])
+        self._span = span
+        return torch.arange(span, device=slots.device)[None, None, :] <= slots[:, :, None]
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        """Store the window's ``keys``/``values`` ``[N, kv_heads, head_dim]`` (packed, in ``window`` order);
+        returns the layer's entries that the window's attention reads, ``[b, kv_heads, span, head_dim]``."""
+        rows, slots = self._write
+        self.keys[layer][rows, :, slots] = keys
+        self.values[layer][rows, :, slots] = values
+        return self.keys[layer][:, :, : self._span], self.values[layer][:, :, : self._span]
+
+    def commit(self, n: torch.Tensor) -> None:
+        self.length = self.length + n  # out of place: the caller may hold no inference mode
+
+    def retain(self, rows: torch.Tensor) -> None:
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.length = self.length[rows]
+
+    def _grow(self, capacity: int) -> None:
+        def grown(t):
+            out = t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3])
+            out[:, :, : t.shape[2]] = t
+            return out
+
+        self.keys = [grown(k) for k in self.keys]
+        self.values = [grown(v) for v in self.values]
+
+    # The generic model forward calls this (transformers' Cache.update signature) with [b, kv_heads, W, d].
+    def update(self, keys, values, layer_idx, *args, **kwargs):
+        return self.write(layer_idx, keys.transpose(1, 2).flatten(0, 1), values.transpose(1, 2).flatten(0, 1))
+
+
+class TorchBackend:
+    """The decode backend for a transformers causal LM (see the module docstring)."""
+
+    def __init__(self, model, lean: bool | None = None):
+        self.model = model
+        self.device = model.device
+        config = model.config
+        _attention_mask(model, torch.ones(1, 1, 1, dtype=torch.bool))  # fail early on flash/flex attention
+        self.lean = self.supports_lean(model) if lean is None else lean
+        if self.lean and not self.supports_lean(model):
+            raise MarsError(f"the lean forward supports {', '.join(LEAN_MODEL_TYPES)} without sliding windows, "
+                            f"not {config.model_type!r}")
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.cache: RowCache | None = None
+        if self.lean:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            module = importlib.import_module(type(model).__module__)
+            self._rope = module.apply_rotary_pos_emb
+            self._attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
+                                                                 module.eager_attention_forward)
+
+    @staticmethod
+    def supports_lean(model) -> bool:
+        config = model.config
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+        return (config.model_type in LEAN_MODEL_TYPES and all(t == "full_attention" for t in layer_types)
+                and hasattr(model, "lm_head") and hasattr(getattr(model, "model", None), "layers"))
+
+    @torch.inference_mode()
+    def start(self, prefixes: list[list[int]]) -> None:
+        config = self.model.config
+        b, width = len(prefixes), max(map(len, prefixes))
+        self.cache = RowCache(config.num_hidden_layers, b, config.num_key_value_heads, self.head_dim,
+                              dtype=self.model.dtype, device=self.device, capacity=max(64, 2 * width))
+        if width == 0:
+            return
+        ids = torch.zeros(b, width, dtype=torch.long)
+        for i, prefix in enumerate(prefixes):  # right padding: a row's pad entries lie past its length
+            ids[i, : len(prefix)] = torch.tensor(prefix, dtype=torch.long)
+        positions = torch.arange(width)[None].expand(b, -1)
+        self._run(ids.to(self.device), positions.to(self.device), read=None, logits=False)
+        self.cache.commit(torch.tensor([len(p) for p in prefixes], device=self.device))
+
+    @torch.inference_mode()
+    def forward(self, window_ids, positions, read=None):
+        return self._run(window_ids, positions, read)
+
+    def commit(self, n_accept):
+        self.cache.commit(n_accept.to(self.device))
+
+    def retain(self, rows):
+        self.cache.retain(rows.to(self.device))
+
+    # ------------------------------------------------------------------------------------------ forwards
+
+    def _run(self, ids, positions, read, logits: bool = True):
+        if not self.lean:
+            return self._generic(ids, positions, read, logits)
+        b, width = ids.shape
+        keep = None
+        if read is not None and width > 1:
+            needed = read.amax(1) + 1  # a row's entries past its last read slot are trailing masks
+            if bool((needed < width).any()):
+                keep = torch.arange(width, device=ids.device)[None, :] < needed[:, None]
+        mask = _attention_mask(self.model, self.cache.window(width, keep))
+        base = self.model.model
+        if keep is None:
+            h = base.embed_tokens(ids.reshape(-1))
+            pos = positions.reshape(1, -1)
+        else:
+            h = base.embed_tokens(ids[keep])
+            pos = positions[keep][None]
+        cos, sin = base.rotary_emb(h, pos)  # [1, N, head_dim]
+        cos, sin = cos[0], sin[0]
+        n = h.shape[0]
+        for layer_idx, layer in enumerate(base.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(n, -1, self.head_dim)
+            k = attn.k_proj(x).view(n, -1, self.head_dim)
+            v = attn.v_proj(x).view(n, -1, self.head_dim)
+            q, k = self._rope(q, k, cos, sin)  # [N, heads, d] with cos [N, d]: unsqueeze_dim=1 broadcasts
+            keys, values = self.cache.write(layer_idx, k, v)
+            if keep is None:
+                q = q.view(b, width, -1, self.head_dim)
+            else:
+                q = q.new_zeros(b, width, q.shape[1], self.head_dim).index_put_(keep.nonzero(as_tuple=True), q)
+            out, _ = self._attend(attn, q.transpose(1, 2), keys, values, mask, dropout=0.0, scaling=attn.scaling)
+            out = out.reshape(b, width, -1) if keep is None else out.reshape(b, width, -1)[keep]  # [.., heads*d]
+            h = h + attn.o_proj(out.reshape(n, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if not logits:
+            return None
+        # Hidden states at the read slots: row i's window entry k sits at packed index start[i] + k.
+        if keep is None:
+            start = torch.arange(b, device=ids.device) * width
+        else:
+            counts = keep.sum(1)
+            start = counts.cumsum(0) - counts
+        index = start[:, None] + (torch.arange(width, device=ids.device)[None, :] if read is None else read)
+        return self.model.lm_head(base.norm(h[index]))
+
+    def _generic(self, ids, positions, read, logits: bool):
+        """Any other causal LM: its own forward, with the row cache behind transformers' Cache.update."""
+        b, width = ids.shape
+        allowed = self.cache.window(width)
+        first = 0 if read is None else int(read.min())
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=_attention_mask(self.model, allowed),
+                         cache=self.cache, use_cache=True, logits_to_keep=width - first if logits else 1)
+        if not logits or read is None:
+            return out.logits
+        return out.logits[torch.arange(b, device=ids.device)[:, None], read - first]
