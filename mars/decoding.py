@@ -22,7 +22,9 @@ Three ways to run the same rule, all giving the same tokens:
   cut short at the boundary (it may run past it by up to B tokens), so the tokens are the same as with
   the token-level cache.
 
-Finished rows (stop token, token budget) leave the batch at once: their cache rows are dropped.
+With the token-level cache a finished row (stop token, token budget) hands its place to the next
+waiting prompt in the same step (continuous batching: ``batch_size`` rows stay busy while prompts
+wait); once none waits, finished rows leave the batch and their cache rows are dropped.
 
 Backend interface
 -----------------
@@ -52,6 +54,10 @@ mars.export) can serve it. All arguments are torch tensors; ids/positions are in
 ``retain(rows [k]) -> None``
     Keep only these rows (indices into the current rows, increasing) in the cache; rows that finished
     stop costing compute.
+``reset(rows [k]) -> None`` (optional)
+    Empty these rows' caches: a new sequence takes each of them, and its first window is its whole
+    prompt (next to the other rows' short windows). A backend that has it lets the token-level cache
+    refill finished rows (continuous batching); without it the prompts go in consecutive batches.
 """
 
 from __future__ import annotations
@@ -61,8 +67,9 @@ import json
 import math
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -191,6 +198,8 @@ class DecodeBackend(Protocol):
 
     def retain(self, rows: torch.Tensor) -> None: ...
 
+    def reset(self, rows: torch.Tensor) -> None: ...  # optional, see above
+
 
 # --------------------------------------------------------------------------------------------- the loops
 
@@ -207,43 +216,62 @@ class _Rows:
 
 @torch.inference_mode()  # no autograd bookkeeping on the per-step bookkeeping ops either
 def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, slots: int, tau: torch.Tensor,
-                  room: Sequence[int], stop_ids: torch.Tensor, mask_id: int, b_cache: int | None = None) -> _Rows:
-    """The cached decoding loop over one batch (token level, or block level with ``b_cache``).
+                  room: Sequence[int], stop_ids: torch.Tensor, mask_id: int, b_cache: int | None = None,
+                  max_rows: int | None = None, on_finish: Callable[[int], None] | None = None) -> _Rows:
+    """The cached decoding loop (token level, or block level with ``b_cache``).
 
     ``slots`` is the number of slots read per step (B, or 1 when every row has tau = 1: no masks at all),
-    ``tau`` ``[b]``, ``room`` the token budget per row. Bookkeeping lives in small CPU tensors; the
-    backend sees one window per step and syncs once per step (the accepted counts decide the next window).
+    ``tau`` ``[n]``, ``room`` the token budget per prompt. At most ``max_rows`` rows decode at once
+    (default: all). With the token-level cache a row that finishes takes the next waiting prompt in the
+    same step (continuous batching), so the batch stays full while prompts wait; the block-level cache
+    steps its rows in lockstep and takes one batch (``max_rows`` >= the prompts). ``on_finish(k)`` is
+    called as k sequences finish. Bookkeeping lives in small CPU tensors; the backend sees one window
+    per step and syncs once per step (the accepted counts decide the next window).
     """
-    b = len(prompts)
+    count = len(prompts)
+    b = count if max_rows is None else min(count, max_rows)
+    if b < count and (b_cache is not None or not callable(getattr(backend, "reset", None))):
+        raise ValueError("max_rows below the prompt count needs the token-level cache and a backend with reset")
     dev = torch.device(backend.device)
     put = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev, non_blocking=True))  # noqa: E731
-    prompt_len = torch.tensor([len(p) for p in prompts])
-    room = torch.tensor(list(room))
-    total = int((prompt_len + room).max())
+    room_all = torch.tensor(list(room))
+    total = max(len(p) + r for p, r in zip(prompts, room_all.tolist()))
     # Every step's window is a plain gather from `seq`: beyond each row's length it holds mask tokens, far
     # enough for any window (the widest reaches a cache block + 2B past the cached prefix); the last
     # column takes the rejected slots.
     trash = total + (b_cache or 0) + 2 * slots
-    seq = torch.full((b, trash + 1), mask_id, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        seq[i, : len(p)] = torch.tensor(list(p))
-    forwards = torch.zeros(b, dtype=torch.long)
-    rows = torch.arange(b)  # input index of each live row
-    tau_d, greedy_d, stop_d = put(tau), put(tau >= 1.0), put(stop_ids)
     # At tau = 1 every row takes one token per step, so one-position blocks are exact and cheapest.
     block = None if b_cache is None else (b_cache if slots > 1 else 1)
-    # Token level: the first step's window is the whole prompt (+ masks), so the prefill is also the first
-    # decoding step (one forward fewer per batch, as in HF generate). Block level keeps the prefix of
-    # all but the last prompt token in the cache: it commits one block per step.
-    length, cached = prompt_len.clone(), (prompt_len - 1 if block is not None else torch.zeros(b, dtype=torch.long))
+    seq = torch.full((b, trash + 1), mask_id, dtype=torch.long)
+    rows = torch.arange(b)  # prompt index of each live row
+    prompt_len, length, cached, room_left, forwards = (torch.zeros(b, dtype=torch.long) for _ in range(5))
+
+    def load(k: int, i: int, prefilled: bool) -> None:
+        """Row k takes prompt i, whose cache holds all but its last token (``prefilled``) or nothing."""
+        p = prompts[i]
+        seq[k].fill_(mask_id)
+        seq[k, : len(p)] = torch.tensor(list(p))
+        rows[k], prompt_len[k], length[k], room_left[k], forwards[k] = i, len(p), len(p), room_all[i], 0
+        cached[k] = len(p) - 1 if prefilled else 0
+
+    # Token level: the first window is the whole prompt (+ masks), so the prefill is also the first
+    # decoding step (one forward fewer, as in HF generate), for a refilled row too. Block level keeps
+    # all but the last prompt token in the cache (``start``): it commits one block per step.
+    for k in range(b):
+        load(k, k, prefilled=block is not None)
+    waiting = deque(range(b, count))
+    tau_d, greedy_d, stop_d = put(tau[rows]), put(tau[rows] >= 1.0), put(stop_ids)
     slot = torch.arange(slots)
     offsets = torch.arange(trash)
-    out = _Rows([[] for _ in range(b)], [0] * b, [False] * b, 0)
-    backend.start([list(p[:-1]) if block is not None else [] for p in prompts])
+    out = _Rows([[] for _ in range(count)], [0] * count, [False] * count, 0)
+    backend.start([list(prompts[i][:-1]) if block is not None else [] for i in range(b)])
     while rows.numel():
         u = length - cached  # real tokens not in the cache yet (>= 1)
         if block is None:
             width, stepping, commit = int(u.max()) + slots - 1, None, u
+            # A row needs u + slots - 1 entries; past them (a refilled row's prompt widens the window)
+            # it repeats its last one: trailing entries change nothing and stay inside its positions.
+            index = cached[:, None] + torch.minimum(offsets[:width], (u + slots - 2)[:, None])
         else:
             # The block is committed once every row has it filled with real tokens (u >= C); until
             # then a row past the boundary waits. The window spans the block and every stepping row's slots.
@@ -251,12 +279,12 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
             stepping = torch.ones_like(u, dtype=torch.bool) if commit_now else u <= block
             width = max(block, int(u[stepping].max()) + slots - 1)
             commit = torch.full_like(u, block if commit_now else 0)
-        index = cached[:, None] + offsets[:width]
+            index = cached[:, None] + offsets[:width]
         read = (u - 1)[:, None] + slot
         if stepping is not None:  # a waiting row reads nothing it uses; keep its reads inside the window
             read = read.clamp(max=width - 1)
         logits = backend.forward(put(seq.gather(1, index)), put(index), put(read))
-        step_room = room if stepping is None else torch.where(stepping, room, 0)
+        step_room = room_left if stepping is None else torch.where(stepping, room_left, 0)
         tokens, n, stopped = accept(logits, tau_d, greedy_d, stop_d, put(step_room))
         if dev.type != "cpu":
             tokens, n, stopped = tokens.cpu(), n.cpu(), stopped.cpu()
@@ -265,20 +293,31 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
         cached += commit
         seq.scatter_(1, torch.where(slot < n[:, None], length[:, None] + slot, trash), tokens)
         length += n
-        room -= n
+        room_left -= n
         forwards += 1 if stepping is None else stepping.long()
-        done = stopped | (room == 0)
-        if bool(done.any()):
-            for k in done.nonzero()[:, 0].tolist():
-                i = int(rows[k])
-                out.token_ids[i] = seq[k, prompt_len[k]: length[k]].tolist()
-                out.forwards[i], out.stopped[i] = int(forwards[k]), bool(stopped[k])
+        done = stopped | (room_left == 0)
+        if not bool(done.any()):
+            continue
+        finished = done.nonzero()[:, 0].tolist()
+        for k in finished:
+            i = int(rows[k])
+            out.token_ids[i] = seq[k, prompt_len[k]: length[k]].tolist()
+            out.forwards[i], out.stopped[i] = int(forwards[k]), bool(stopped[k])
+        if on_finish is not None:
+            on_finish(len(finished))
+        refill = finished[: len(waiting)]
+        for k in refill:  # a finished row's place goes to the next waiting prompt
+            load(k, waiting.popleft(), prefilled=False)
+            done[k] = False
+        if refill:
+            backend.reset(put(torch.tensor(refill)))
+        if bool(done.any()):  # nothing waits any more: finished rows leave the batch
             keep = (~done).nonzero()[:, 0]
             if keep.numel():
                 backend.retain(put(keep))
-            rows, seq, length, cached, room, forwards, prompt_len = (
-                t[keep] for t in (rows, seq, length, cached, room, forwards, prompt_len))
-            tau_d, greedy_d = tau_d[put(keep)], greedy_d[put(keep)]
+            rows, seq, length, cached, room_left, forwards, prompt_len = (
+                t[keep] for t in (rows, seq, length, cached, room_left, forwards, prompt_len))
+        tau_d, greedy_d = put(tau[rows]), put(tau[rows] >= 1.0)
     return out
 
 
@@ -389,8 +428,9 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
     ``model`` is a transformers causal LM (or, with ``backend``, anything with the checkpoint's
     ``config``); ``block_size`` defaults to the checkpoint's ``config.mars.block_size``. Returns one
     :class:`GenerationResult` per prompt, in order, as a :class:`Generations` list with totals.
-    ``b_cache``: None for the token-level cache, C >= B for the block-level cache; ``use_cache=False``
-    runs the no-cache reference loop. Decoding stops at a stop token (EOS of the tokenizer and the
+    ``batch_size`` rows decode at once; with the token-level cache (``b_cache=None``) a finished row
+    takes the next prompt at once, otherwise the prompts go in consecutive batches. ``b_cache``: C >= B
+    for the block-level cache; ``use_cache=False`` runs the no-cache reference loop. Decoding stops at a stop token (EOS of the tokenizer and the
     generation config, plus ``stop_token_ids``), at ``max_new_tokens`` or at the model's context.
     """
     started = time.perf_counter()
@@ -436,24 +476,28 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(encoded), desc="generate", unit="seq")
-    for start in range(0, len(order), batch_size):
-        batch = order[start: start + batch_size]
-        prompts_b = [encoded[i] for i in batch]
-        tau_b = torch.tensor([taus[i] for i in batch])
-        slots = block_size if bool((tau_b < 1.0).any()) else 1
-        kwargs = dict(slots=slots, tau=tau_b, room=[rooms[i] for i in batch], stop_ids=stops, mask_id=mask_id)
+    # The token-level cache refills finished rows from one queue; the block-level cache and the
+    # no-cache reference take the prompts in consecutive batches.
+    continuous = use_cache and b_cache is None and callable(getattr(backend, "reset", None))
+    groups = [order] if continuous else [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+    for group in groups:
+        prompts_g = [encoded[i] for i in group]
+        tau_g = torch.tensor([taus[i] for i in group])
+        slots = block_size if bool((tau_g < 1.0).any()) else 1
+        kwargs = dict(slots=slots, tau=tau_g, room=[rooms[i] for i in group], stop_ids=stops, mask_id=mask_id)
         if use_cache:
-            rows = decode_cached(backend, prompts_b, b_cache=b_cache, **kwargs)
+            rows = decode_cached(backend, prompts_g, b_cache=b_cache, max_rows=batch_size if continuous else None,
+                                 on_finish=bar.update if bar is not None else None, **kwargs)
         else:
-            rows = decode_no_cache(model, prompts_b, **kwargs)
+            rows = decode_no_cache(model, prompts_g, **kwargs)
+            if bar is not None:
+                bar.update(len(group))
         calls += rows.model_calls
-        for k, i in enumerate(batch):
+        for k, i in enumerate(group):
             ids = rows.token_ids[k]
             text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
             results[i] = GenerationResult(encoded[i], ids, text, rows.forwards[k], taus[i], block_size,
                                           "stop" if rows.stopped[k] else "length")
-        if bar is not None:
-            bar.update(len(batch))
     if bar is not None:
         bar.close()
     return Generations(results, calls, time.perf_counter() - started)

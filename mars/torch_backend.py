@@ -89,6 +89,9 @@ class RowCache:
     def commit(self, n: torch.Tensor) -> None:
         self.length = self.length + n  # out of place: the caller may hold no inference mode
 
+    def reset(self, rows: torch.Tensor) -> None:
+        self.length = self.length.index_fill(0, rows, 0)  # the old entries lie past 0: masked, then overwritten
+
     def retain(self, rows: torch.Tensor) -> None:
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
@@ -140,7 +143,7 @@ class TorchBackend:
     @torch.inference_mode()
     def start(self, prefixes: list[list[int]]) -> None:
         config = self.model.config
-        b, width = len(prefixes), max(map(len, prefixes))
+        b, width = len(prefixes), max(map(len, prefixes), default=0)
         self.cache = RowCache(config.num_hidden_layers, b, config.num_key_value_heads, self.head_dim,
                               dtype=self.model.dtype, device=self.device, capacity=max(64, 2 * width))
         if width == 0:
@@ -162,9 +165,13 @@ class TorchBackend:
     def retain(self, rows):
         self.cache.retain(rows.to(self.device))
 
+    def reset(self, rows):
+        self.cache.reset(rows.to(self.device))
+
     # ------------------------------------------------------------------------------------------ forwards
 
     def _run(self, ids, positions, read, logits: bool = True):
+        """The window ``ids [b, W]`` of every row -> logits at ``read`` (every entry when None)."""
         if not self.lean:
             return self._generic(ids, positions, read, logits)
         b, width = ids.shape

@@ -146,7 +146,8 @@ def test_per_sequence_tau_in_a_batch_gives_each_sequence_its_alone_output():
     prompts = random_prompts()
     taus = [1.0, 0.5, 0.9, 0.3, 0.7, 1.0]
     alone = [generate(model, None, [p], tau=t, max_new_tokens=20)[0] for p, t in zip(prompts, taus)]
-    for kwargs in (dict(batch_size=6), dict(batch_size=6, b_cache=8), dict(batch_size=3, use_cache=False)):
+    for kwargs in (dict(batch_size=6), dict(batch_size=4), dict(batch_size=6, b_cache=8),
+                   dict(batch_size=3, use_cache=False)):
         mixed = generate(model, None, prompts, tau=taus, max_new_tokens=20, **kwargs)
         assert tokens(mixed) == tokens(alone), kwargs
         assert [r.tau for r in mixed] == taus
@@ -184,11 +185,15 @@ class RecordingBackend(TorchBackend):
 
     def __init__(self, model):
         super().__init__(model)
-        self.rows = []
+        self.rows, self.refilled = [], 0
 
     def forward(self, window_ids, positions, read=None):
         self.rows.append(window_ids.shape[0])
         return super().forward(window_ids, positions, read)
+
+    def reset(self, rows):
+        self.refilled += len(rows)
+        super().reset(rows)
 
 
 @pytest.mark.parametrize("b_cache", [None, 8])
@@ -201,6 +206,20 @@ def test_finished_sequences_leave_the_batch(b_cache):
     assert tokens(results) == tokens(generate(model, None, prompts, tau=0.7, max_new_tokens=20, use_cache=False))
     assert backend.rows[0] == 6 and backend.rows == sorted(backend.rows, reverse=True) and backend.rows[-1] < 6
     assert results.model_calls == len(backend.rows)
+
+
+def test_a_finished_row_takes_the_next_waiting_prompt():
+    model = mars_model()
+    prompts = random_prompts()
+    backend = RecordingBackend(model)
+    results = generate(model, None, prompts, tau=0.7, max_new_tokens=20, batch_size=3, backend=backend)
+    static = generate(model, None, prompts, tau=0.7, max_new_tokens=20, batch_size=3, use_cache=False)
+    assert tokens(results) == tokens(static) and [r.forwards for r in results] == [r.forwards for r in static]
+    assert backend.refilled == 3  # every prompt beyond the first three took a finished row's place
+    busy = next(k for k, rows in enumerate(backend.rows) if rows < 3)
+    assert set(backend.rows[:busy]) == {3}  # the batch stays full while prompts wait...
+    assert backend.rows[busy:] == sorted(backend.rows[busy:], reverse=True)  # ...then shrinks as rows finish
+    assert results.model_calls <= static.model_calls  # two static batches wait for their slowest rows
 
 
 def test_results_report_tokens_forwards_and_finish():
