@@ -172,6 +172,40 @@ def test_row_cache_keeps_rows_contiguous_and_grows_without_losing_entries():
     assert cache.length.tolist() == [2] and cache.keys[0][0, 0, :2, 0].tolist() == [4, 9]
 
 
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager")])
+def test_lean_forward_gives_the_models_own_logits_on_ragged_windows(arch, attn):
+    """Rows 0-2 decode (a token + 3 masks each, read at different offsets); row 3 just took a finished
+    row's place, so its window is a whole new prompt: the lean forward computes only what each row
+    reads (ragged), the model's own forward computes every entry of the padded window."""
+    model = mars_model(arch, attn)
+    lean, generic = TorchBackend(model), TorchBackend(model, lean=False)
+    assert lean.lean and not generic.lean
+    prompts = random_prompts((9, 4, 6, 2))
+    new_prompt = random_prompts((12,), seed=5)[0]
+    steps = [  # (window per row, read per row, real tokens committed per row)
+        ([[7, MASK, MASK, MASK]] * 3 + [new_prompt + [MASK] * 3], [[0, 1, 2, 3]] * 3 + [[11, 12, 13, 14]],
+         [1, 1, 1, 12]),
+        ([[8, MASK, MASK, MASK], [8, 9, 10, 11, MASK, MASK, MASK], [8, 9, MASK, MASK, MASK], [13, MASK, MASK, MASK]],
+         [[0, 1, 2, 3], [3, 4, 5, 6], [1, 2, 3, 4], [0, 1, 2, 3]], [1, 4, 2, 1]),
+    ]
+    logits = {}
+    for name, backend in (("lean", lean), ("generic", generic)):
+        backend.start(prompts)
+        backend.reset(torch.tensor([3]))
+        lengths = torch.tensor([9, 4, 6, 0])
+        for windows, read, committed in steps:
+            width = max(map(len, windows))
+            ids = torch.tensor([w + [MASK] * (width - len(w)) for w in windows])
+            out = backend.forward(ids, lengths[:, None] + torch.arange(width), torch.tensor(read))
+            logits.setdefault(name, []).append(out)
+            backend.commit(torch.tensor(committed))
+            lengths = lengths + torch.tensor(committed)
+    for got, ref in zip(logits["lean"], logits["generic"]):
+        assert got.shape == ref.shape == (4, 4, VOCAB)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 def test_lean_forward_is_for_llama_and_qwen2_only():
     model = mars_model()
     model.config.model_type = "mistral"
