@@ -164,13 +164,12 @@ def accept(logits: torch.Tensor, tau: torch.Tensor, greedy: torch.Tensor, stop_i
     accepted ones end in a stop token.
     """
     logits = logits.float()
-    top, tokens = logits.max(-1)  # the same pick as HF greedy (first index on ties)
+    tokens = logits.argmax(-1)  # the same pick as HF greedy (first index on ties)
     is_stop = torch.isin(tokens, stop_ids)
     if tokens.shape[1] == 1:  # one slot (tau = 1 everywhere): always accepted, no probability needed
         n = (room > 0).long()
         return tokens, n, is_stop[:, 0] & (n > 0)
-    # The softmax's largest entry, 1 / sum(exp(l - max)), without materialising the softmax over the vocab.
-    prob = (logits - top[..., None]).exp_().sum(-1).reciprocal_()
+    prob = logits.softmax(-1).amax(-1)  # one fused kernel: faster on CPU than max, subtract, exp and sum
     slots = torch.arange(tokens.shape[1], device=tokens.device)
     ok = (prob >= tau[:, None]) & ~greedy[:, None] & (slots < room[:, None])
     ok[:, 0] = room > 0  # slot 0 always is (when the row has room)
