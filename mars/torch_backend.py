@@ -1,7 +1,7 @@
 """The PyTorch decode backend: a per-row KV cache and a lean pass over the model's own layers.
 
-:mod:`mars.decoding` drives any backend through ``start / forward / commit / retain`` (see its module
-docstring). This one serves a transformers causal LM.
+:mod:`mars.decoding` drives any backend through ``start / forward / commit / retain / reset`` (see its
+module docstring). This one serves a transformers causal LM.
 
 The cache (:class:`RowCache`) is preallocated per layer as ``[rows, kv_heads, capacity, head_dim]``;
 entry ``j`` of row ``i`` is row i's token at position ``j`` of its own sequence, so there is no padding
@@ -15,7 +15,7 @@ For Llama and Qwen2 (dense attention, no sliding window) the forward runs the mo
 the layers with three savings that do not change a single operation on a used token:
 
 * **ragged windows**: a row only needs its window up to the last slot it reads (the decoder pads rows
-  with trailing mask tokens up to the widest row); tokens past that are not computed at all. The
+  up to the widest row, a new prompt's for instance); entries past that are not computed at all. The
   per-token work (projections, MLP) runs on the packed tokens; attention runs on the padded layout.
 * **LM head at read positions only**: the final norm and LM head see ``[rows, slots]`` hidden states,
   not ``[rows, W]``.
