@@ -15,7 +15,8 @@ For Llama and Qwen2 (dense attention, no sliding window) the forward runs the mo
 the layers with three savings that do not change a single operation on a used token:
 
 * **ragged windows**: a row only needs its window up to the last slot it reads (the decoder pads rows
-  up to the widest row, a new prompt's for instance); entries past that are not computed at all. The
+  up to the widest row, a new prompt's for instance); when that skips at least half of the window,
+  entries past it are not computed at all. The
   per-token work (projections, MLP) runs on the packed tokens; attention runs on the padded layout.
 * **LM head at read positions only**: the final norm and LM head see ``[rows, slots]`` hidden states,
   not ``[rows, W]``.
@@ -178,7 +179,9 @@ class TorchBackend:
         keep = None
         if read is not None and width > 1:
             needed = read.amax(1) + 1  # a row's entries past its last read slot are trailing masks
-            if bool((needed < width).any()):
+            # Packing costs a few gathers per layer: it pays when it skips most of the window (a new
+            # prompt next to short decoding windows), not for the odd trailing mask.
+            if 2 * int(needed.sum()) <= b * width:
                 keep = torch.arange(width, device=ids.device)[None, :] < needed[:, None]
         mask = _attention_mask(self.model, self.cache.window(width, keep))
         base = self.model.model
