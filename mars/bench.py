@@ -188,7 +188,7 @@ def cli(argv: list[str], verb: str = "bench-decode") -> int:
     parser.add_argument("--model", default="checkpoints/mars/final", help="checkpoint dir (default: %(default)s)")
     parser.add_argument("--data", help="prepared data dir: benchmark on its held-out prompts")
     parser.add_argument("--prompts", help="prompt file: one prompt per line, or .jsonl with a 'prompt' field")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--taus", default="1.0,0.95,0.9,0.8")
     parser.add_argument("--block-size", type=int, help="default: decode.block_size, else config.mars.block_size")
