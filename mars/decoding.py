@@ -429,8 +429,9 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
     :class:`GenerationResult` per prompt, in order, as a :class:`Generations` list with totals.
     ``batch_size`` rows decode at once; with the token-level cache (``b_cache=None``) a finished row
     takes the next prompt at once, otherwise the prompts go in consecutive batches. ``b_cache``: C >= B
-    for the block-level cache; ``use_cache=False`` runs the no-cache reference loop. Decoding stops at a stop token (EOS of the tokenizer and the
-    generation config, plus ``stop_token_ids``), at ``max_new_tokens`` or at the model's context.
+    for the block-level cache; ``use_cache=False`` runs the no-cache reference loop. Decoding stops at a
+    stop token (EOS of the tokenizer and the generation config, plus ``stop_token_ids``), at
+    ``max_new_tokens`` or at the model's context.
     """
     started = time.perf_counter()
     config = getattr(model, "config", model)

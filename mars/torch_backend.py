@@ -63,8 +63,9 @@ class RowCache:
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 
-    def window(self, width: int, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Prepare a forward of ``width`` entries per row (``keep [b, W]``: the ones computed; None: all).
+    def window(self, width: int, where: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Prepare a forward of ``width`` entries per row; ``where`` (row, window index) lists the entries
+        computed, row by row (None: all of them).
 
         Returns the boolean attention mask ``[b, W, span]`` over the entries attention reads (``span =
         length.max() + width``): window entry k of row i sees entries ``<= length[i] + k``.
@@ -74,8 +75,10 @@ class RowCache:
         span = int(self.length.max()) + width if b else width
         if span > self.capacity:
             self._grow(max(span, 2 * self.capacity))
-        rows = torch.arange(b, device=self.length.device)[:, None].expand(b, width)
-        self._write = (rows.reshape(-1), slots.reshape(-1)) if keep is None else (rows[keep], slots[keep])
+        if where is None:
+            self._write = (torch.arange(b, device=slots.device).repeat_interleave(width), slots.reshape(-1))
+        else:
+            self._write = (where[0], slots[where])
         self._span = span
         return torch.arange(span, device=slots.device)[None, None, :] <= slots[:, :, None]
 
@@ -176,21 +179,21 @@ class TorchBackend:
         if not self.lean:
             return self._generic(ids, positions, read, logits)
         b, width = ids.shape
-        keep = None
+        where = None  # (row, window index) of the entries computed, row by row; None: every entry
         if read is not None and width > 1:
             needed = read.amax(1) + 1  # a row's entries past its last read slot are trailing masks
             # Packing costs a few gathers per layer: it pays when it skips most of the window (a new
             # prompt next to short decoding windows), not for the odd trailing mask.
             if 2 * int(needed.sum()) <= b * width:
-                keep = torch.arange(width, device=ids.device)[None, :] < needed[:, None]
-        mask = _attention_mask(self.model, self.cache.window(width, keep))
+                where = (torch.arange(width, device=ids.device)[None, :] < needed[:, None]).nonzero(as_tuple=True)
+        mask = _attention_mask(self.model, self.cache.window(width, where))
         base = self.model.model
-        if keep is None:
+        if where is None:
             h = base.embed_tokens(ids.reshape(-1))
             pos = positions.reshape(1, -1)
         else:
-            h = base.embed_tokens(ids[keep])
-            pos = positions[keep][None]
+            h = base.embed_tokens(ids[where])
+            pos = positions[where][None]
         cos, sin = base.rotary_emb(h, pos)  # [1, N, head_dim]
         cos, sin = cos[0], sin[0]
         n = h.shape[0]
@@ -202,22 +205,21 @@ class TorchBackend:
             v = attn.v_proj(x).view(n, -1, self.head_dim)
             q, k = self._rope(q, k, cos, sin)  # [N, heads, d] with cos [N, d]: unsqueeze_dim=1 broadcasts
             keys, values = self.cache.write(layer_idx, k, v)
-            if keep is None:
+            if where is None:
                 q = q.view(b, width, -1, self.head_dim)
             else:
-                q = q.new_zeros(b, width, q.shape[1], self.head_dim).index_put_(keep.nonzero(as_tuple=True), q)
+                q = q.new_zeros(b, width, q.shape[1], self.head_dim).index_put_(where, q)
             out, _ = self._attend(attn, q.transpose(1, 2), keys, values, mask, dropout=0.0, scaling=attn.scaling)
-            out = out.reshape(b, width, -1) if keep is None else out.reshape(b, width, -1)[keep]  # [.., heads*d]
+            out = out.reshape(b, width, -1) if where is None else out.reshape(b, width, -1)[where]  # [.., heads*d]
             h = h + attn.o_proj(out.reshape(n, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         if not logits:
             return None
         # Hidden states at the read slots: row i's window entry k sits at packed index start[i] + k.
-        if keep is None:
+        if where is None:
             start = torch.arange(b, device=ids.device) * width
         else:
-            counts = keep.sum(1)
-            start = counts.cumsum(0) - counts
+            start = needed.cumsum(0) - needed
         index = start[:, None] + (torch.arange(width, device=ids.device)[None, :] if read is None else read)
         return self.model.lm_head(base.norm(h[index]))
 

@@ -161,7 +161,7 @@ def test_row_cache_keeps_rows_contiguous_and_grows_without_losing_entries():
     cache.window(3)
     cache.write(0, torch.arange(1.0, 7.0).view(6, 1, 1), torch.zeros(6, 1, 1))  # rows 0 and 1: entries 0..2
     cache.commit(torch.tensor([3, 1]))  # row 1 keeps one entry: its other two are rejected
-    allowed = cache.window(2, keep=torch.tensor([[True, True], [True, False]]))  # row 1 computes one entry
+    allowed = cache.window(2, where=(torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0])))  # row 1 computes one entry
     assert cache.capacity >= 5  # 3 committed + a window of 2
     keys, _ = cache.write(0, torch.tensor([7.0, 8.0, 9.0]).view(3, 1, 1), torch.zeros(3, 1, 1))
     assert keys[:, 0, :, 0].tolist() == [[1, 2, 3, 7, 8], [4, 9, 6, 0, 0]]  # row 1 overwrote its rejected entry
