@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from mars.config import add_params_arguments, params_from_args, section
-from mars.engine import ExportedBlock
-from mars.export import ExportConfig, block_forward, example_inputs, export_checkpoint, stand_in_checkpoint
-from mars.models import load_model
+from mars.decoding.onnx_backend import ExportedBlock
+from mars.release.export import ExportConfig, block_forward, example_inputs, export_checkpoint, stand_in_checkpoint
+from mars.core.models import load_model
 
 
 def median_ms(fn, iters: int, warmup: int = 3) -> float:

@@ -11,17 +11,17 @@ import sys
 
 # verb -> (module, one-line help). The module's ``cli`` owns the verb's arguments.
 VERBS: dict[str, tuple[str, str]] = {
-    "base": ("mars.tiny", "build the base model of a profile (tiny: tokenizer + random init; smollm2: GGUF -> safetensors)"),
-    "prepare": ("mars.data", "tokenize instruction data into B-independent dual-stream shards + stats"),
-    "train": ("mars.trainer", "train one stage: sft (AR), mars (MARS) or ar_control (AR continued)"),
-    "generate": ("mars.decoding", "decode prompts with a MARS checkpoint at block size B and threshold tau"),
-    "bench-decode": ("mars.bench", "side-by-side decoding speed against HF generate with KV cache"),
-    "evaluate": ("mars.evaluate", "score checkpoints on benchmarks over a tau sweep; metrics, plots, report"),
-    "gate": ("mars.gate", "decide promotion: MARS at tau=1.0 vs the AR baseline"),
-    "export": ("mars.export", "export the fixed-B block forward to ONNX (and TensorRT where CUDA is present)"),
-    "promote": ("mars.release", "publish a gated release to the artifact store and move the stage pointer"),
-    "pull": ("mars.release", "fetch and verify a promoted release into a directory"),
-    "store": ("mars.store", "list releases in the artifact store; point the DVC remote at it (configure-dvc)"),
+    "base": ("mars.training.base", "build the base model of a profile (tiny: tokenizer + random init; smollm2: GGUF -> safetensors)"),
+    "prepare": ("mars.training.data", "tokenize instruction data into B-independent dual-stream shards + stats"),
+    "train": ("mars.training.trainer", "train one stage: sft (AR), mars (MARS) or ar_control (AR continued)"),
+    "generate": ("mars.decoding.loop", "decode prompts with a MARS checkpoint at block size B and threshold tau"),
+    "bench-decode": ("mars.decoding.speed", "side-by-side decoding speed against HF generate with KV cache"),
+    "evaluate": ("mars.evaluation.evaluate", "score checkpoints on benchmarks over a tau sweep; metrics, plots, report"),
+    "gate": ("mars.evaluation.gate", "decide promotion: MARS at tau=1.0 vs the AR baseline"),
+    "export": ("mars.release.export", "export the fixed-B block forward to ONNX (and TensorRT where CUDA is present)"),
+    "promote": ("mars.release.promote", "publish a gated release to the artifact store and move the stage pointer"),
+    "pull": ("mars.release.promote", "fetch and verify a promoted release into a directory"),
+    "store": ("mars.release.store", "list releases in the artifact store; point the DVC remote at it (configure-dvc)"),
     "params": ("mars.config", "show or validate params.yaml as the stages see it"),
 }
 

@@ -37,7 +37,7 @@ def tiny_model(arch: str = "llama", attn: str = "sdpa", seed: int = 0, vocab: in
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct (real weights), converted to safetensors once into the mars cache."""
-    from mars.models import MarsError, convert_smollm2
+    from mars.core.models import MarsError, convert_smollm2
 
     try:
         return convert_smollm2()

@@ -14,9 +14,9 @@ import torch
 from mars.cli import main
 from mars.config import load_params, section
 from mars.errors import ConfigError
-from mars.mask_token import MASK_TOKEN, mask_token_id
-from mars.models import load_model
-from mars.tiny import ModelConfig, TinyConfig, build_base, build_tiny, describe, save_base
+from mars.core.mask_token import MASK_TOKEN, mask_token_id
+from mars.core.models import load_model
+from mars.training.base import ModelConfig, TinyConfig, build_base, build_tiny, describe, save_base
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_hidden_layers=2", "model.tiny.intermediate_size=64",

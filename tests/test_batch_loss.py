@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mars.batch import IGNORE, build_batch
+from mars.core.batch import IGNORE, build_batch
 from mars.errors import DataError, MarsError
-from mars.loss import compute_loss, mars_loss
-from mars.masking import CLEAN, NOISY
+from mars.core.loss import compute_loss, mars_loss
+from mars.core.masking import CLEAN, NOISY
 
 MASK, PAD = 95, 0
 

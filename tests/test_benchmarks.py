@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mars import benchmarks as bm
-from mars.benchmarks import BenchmarkConfig, Context, Item, create
+from mars.evaluation import benchmarks as bm
+from mars.evaluation.benchmarks import BenchmarkConfig, Context, Item, create
 from mars.errors import ConfigError
 
 CTX = Context(seed=0)
@@ -55,8 +55,8 @@ def test_registry_knows_the_built_in_benchmarks_and_plugins():
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """A real (small) base + prepared data, built by the base and prepare stages."""
-    from mars import data, tiny
-
+    from mars.training import data
+    from mars.training import base as tiny
     root = tmp_path_factory.mktemp("prepared")
     params = ["--params", str(Path(__file__).parents[1] / "params.yaml"),
               "-S", "model.tiny.tokenizer_corpus=200", "-S", "model.tiny.vocab_size=300",
@@ -68,8 +68,7 @@ def prepared(tmp_path_factory):
 
 
 def test_heldout_items_are_the_prepared_prompts_spread_over_families(prepared):
-    from mars import data
-
+    from mars.training import data
     ctx = Context(seed=0, data_dir=str(prepared / "data"))
     rows = {r["id"]: r for r in data.load_split(prepared / "data", "heldout")}
     items = bench("heldout", ctx, n=8).items()
@@ -88,8 +87,7 @@ def test_heldout_items_are_the_prepared_prompts_spread_over_families(prepared):
 
 
 def test_evaluate_runs_the_heldout_suite_on_a_base_model(prepared, tmp_path):
-    from mars import evaluate
-
+    from mars.evaluation import evaluate
     cfg = evaluate.EvalConfig(taus=[1.0, 0.9], block_size=4,
                               benchmarks={"heldout": BenchmarkConfig(n=4, max_new_tokens=6)})
     metrics = evaluate.run({"base": str(prepared / "base")}, cfg, data_dir=str(prepared / "data"),
@@ -191,7 +189,7 @@ def test_ifeval_prompts_state_checkable_non_conflicting_instructions():
 
 
 def test_hub_benchmarks_fail_offline_with_a_clear_message():
-    code = ("from mars.benchmarks import create, BenchmarkConfig, Context\n"
+    code = ("from mars.evaluation.benchmarks import create, BenchmarkConfig, Context\n"
             "create('hub_gsm8k', BenchmarkConfig(kind='hub', options={'preset': 'gsm8k'}), Context()).items()\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": "/nonexistent-mars-hf"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

@@ -9,13 +9,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mars import suite
+from mars.training import suite
 from mars.cli import main
 from mars.config import build
-from mars.data import DataConfig, check_tokenizer, load_meta, load_split, prepare
+from mars.training.data import DataConfig, check_tokenizer, load_meta, load_split, prepare
 from mars.errors import ConfigError, DataError
-from mars.models import load_tokenizer
-from mars.tiny import ModelConfig, TinyConfig, build_base, describe, save_base
+from mars.core.models import load_tokenizer
+from mars.training.base import ModelConfig, TinyConfig, build_base, describe, save_base
 
 ROOT = Path(__file__).resolve().parents[1]
 

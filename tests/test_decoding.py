@@ -1,4 +1,4 @@
-"""mars.decoding: the accept rule, exact greedy AR at tau = 1, and the cached paths against the no-cache one."""
+"""mars.decoding.loop: the accept rule, exact greedy AR at tau = 1, and the cached paths against the no-cache one."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from mars.decoding import GenerationResult, accept, cli, generate
+from mars.decoding.loop import GenerationResult, accept, cli, generate
 from mars.errors import MarsError
-from mars.torch_backend import RowCache, TorchBackend
+from mars.decoding.torch_backend import RowCache, TorchBackend
 
 VOCAB, MASK, EOS, B = 96, 95, 63, 4
 EOS_OF = {"llama": EOS, "qwen2": 85}  # a token each random model emits for some prompts and not others
@@ -311,7 +311,7 @@ CHAT = ["What is the capital of France?", "List three prime numbers."]
 
 @pytest.mark.slow
 def test_smollm2_tau_one_is_hf_greedy_on_chat_prompts(smollm2_dir):
-    from mars.models import load_model
+    from mars.core.models import load_model
 
     model, tokenizer = load_model(smollm2_dir)
     encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
@@ -333,8 +333,8 @@ def test_cli_generate_json(smollm2_dir, tmp_path, capsys):
     """``mars generate --json`` on a small random checkpoint with SmolLM2's tokenizer and chat template."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mars.mask_token import add_mask_token
-    from mars.models import load_tokenizer
+    from mars.core.mask_token import add_mask_token
+    from mars.core.models import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_dir)
     torch.manual_seed(0)
@@ -363,7 +363,7 @@ def test_cli_generate_json(smollm2_dir, tmp_path, capsys):
 
 
 def test_bench_reports_medians_speedups_and_ceiling_against_hf():
-    from mars.bench import format_table, run
+    from mars.decoding.speed import format_table, run
 
     model = mars_model()
     report = run(model, None, random_prompts((5, 9, 3)), batch_sizes=[1, 2], taus=[1.0, 0.5], block_size=B,

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mars import benchmarks, evaluate
-from mars.benchmarks import Benchmark, BenchmarkConfig, Item
+from mars.evaluation import benchmarks
+
+from mars.evaluation import evaluate
+from mars.evaluation.benchmarks import Benchmark, BenchmarkConfig, Item
 from mars.errors import ConfigError
-from mars.evaluate import EvalConfig, read_jsonl
+from mars.evaluation.evaluate import EvalConfig, read_jsonl
 
 WORDS = 20
 ANSWER_LEN = 6

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mars.engine import EngineError, ExportedBlock, read_manifest, sha256_file, window_mask
+from mars.decoding.onnx_backend import EngineError, ExportedBlock, read_manifest, sha256_file, window_mask
 from mars.errors import ConfigError, MarsError
-from mars.export import (ExportConfig, ExportError, block_forward, block_spec, example_inputs, export_checkpoint)
+from mars.release.export import (ExportConfig, ExportError, block_forward, block_spec, example_inputs, export_checkpoint)
 
 BLOCK = 4
 CFG = dict(batch_size=2, window=8, max_context=160, latency_iters=2)
@@ -23,8 +23,7 @@ def tiny_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from mars import suite
-
+    from mars.training import suite
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -42,7 +41,7 @@ def make_mars_checkpoint(path: Path, arch: str = "llama", *, mars: bool = True, 
     The LM head is scaled by ``confidence`` so that the random model is sure of some slots and not of
     others: at tau = 0.9 rows accept 1 to ~2.7 tokens per forward, so decoding exercises ragged acceptance.
     """
-    from mars.mask_token import add_mask_token
+    from mars.core.mask_token import add_mask_token
 
     model, tok = tiny_model(arch), tiny_tokenizer()
     info = add_mask_token(model, tok)
@@ -151,7 +150,7 @@ def test_tensorrt_is_recorded_as_it_happened(exported):
 
 
 def test_onnxruntime_matches_pytorch_at_prefix_lengths_0_to_max(exported, checkpoint):
-    from mars.models import load_model
+    from mars.core.models import load_model
 
     out, _ = exported
     engine = ExportedBlock(out)
@@ -196,8 +195,7 @@ def test_external_data_is_written_and_said_in_the_manifest(checkpoint, exported,
 
 @pytest.fixture(scope="module")
 def heldout_prompts():
-    from mars import suite
-
+    from mars.training import suite
     return [item.prompt for item in suite.heldout(5, seed=0)]
 
 
@@ -209,8 +207,8 @@ def test_onnxruntime_decoder_gives_the_pytorch_decoders_tokens(exported, checkpo
     The export's batch is 2 and W = 8: five prompts run as three batches (the last one with a padding
     row), rows finish at different steps (retain), and the block cache's windows (C + B - 1 = 9) are
     wider than W (two graph calls)."""
-    from mars.decoding import generate
-    from mars.models import load_model
+    from mars.decoding.loop import generate
+    from mars.core.models import load_model
 
     engine = ExportedBlock(exported[0])
     model, tok = load_model(checkpoint)
@@ -301,9 +299,9 @@ def test_cli(checkpoint, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_smollm2_exports_with_parity_and_decodes_alike(smollm2_dir, tmp_path):
-    from mars.decoding import generate
-    from mars.mask_token import add_mask_token
-    from mars.models import load_model
+    from mars.decoding.loop import generate
+    from mars.core.mask_token import add_mask_token
+    from mars.core.models import load_model
 
     model, tok = load_model(smollm2_dir)
     info = add_mask_token(model, tok)

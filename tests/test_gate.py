@@ -6,9 +6,11 @@ import json
 
 import pytest
 
-from mars import evaluate, gate
+from mars.evaluation import evaluate
+
+from mars.evaluation import gate
 from mars.errors import ConfigError, MarsError
-from mars.gate import GateConfig, Override, decide
+from mars.evaluation.gate import GateConfig, Override, decide
 from test_evaluate import make_checkpoint, toy_config
 
 

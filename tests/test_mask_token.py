@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mars.batch import build_batch
-from mars.loss import compute_loss
-from mars.mask_token import MASK_TOKEN, MaskTokenError, add_mask_token, mask_token_id
+from mars.core.batch import build_batch
+from mars.core.loss import compute_loss
+from mars.core.mask_token import MASK_TOKEN, MaskTokenError, add_mask_token, mask_token_id
 
 
 @pytest.fixture(scope="module")
 def smol(smollm2_dir):
-    from mars.models import load_model
+    from mars.core.models import load_model
 
     return load_model(smollm2_dir)
 

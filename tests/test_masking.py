@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mars.batch import IGNORE, build_batch
-from mars.masking import CLEAN, NOISY, dual_stream_mask, noisy_start, to_additive
+from mars.core.batch import IGNORE, build_batch
+from mars.core.masking import CLEAN, NOISY, dual_stream_mask, noisy_start, to_additive
 
 MASK_ID = 95
 PAD_ID = 0

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from s3_server import REPO, launch, use_server
 
-from mars.export import checkpoint_sha256
-from mars.release import (IntegrityError, ReleaseError, cli, list_releases, manifest_key, pointer_key, promote,
+from mars.release.export import checkpoint_sha256
+from mars.release.promote import (IntegrityError, ReleaseError, cli, list_releases, manifest_key, pointer_key, promote,
                           pull, rollback)
-from mars.store import StoreConfig, object_key, open_store
+from mars.release.store import StoreConfig, object_key, open_store
 
 MB = 1024 * 1024
 MARS = {"block_size": 4, "mask_token_id": 95, "objective": "mars", "w_ar": 1.0, "stage": "mars",
@@ -317,12 +317,12 @@ def test_round_trip_of_a_real_model_through_s3(s3_server, monkeypatch, tmp_path)
     import torch
     from conftest import tiny_model
 
-    from mars.decoding import generate
-    from mars.engine import ExportedBlock
-    from mars.export import ExportConfig, export_checkpoint
-    from mars.mask_token import add_mask_token
-    from mars.models import load_model
-    from mars.tiny import train_tokenizer
+    from mars.decoding.loop import generate
+    from mars.decoding.onnx_backend import ExportedBlock
+    from mars.release.export import ExportConfig, export_checkpoint
+    from mars.core.mask_token import add_mask_token
+    from mars.core.models import load_model
+    from mars.training.base import train_tokenizer
 
     use_server(s3_server, monkeypatch)
     uri = f"s3://{s3_server.make_bucket()}/mars"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mars import sandbox
-from mars.sandbox import SandboxLimits, humaneval_program, run_many, run_python
+from mars.evaluation import sandbox
+from mars.evaluation.sandbox import SandboxLimits, humaneval_program, run_many, run_python
 
 FAST = SandboxLimits(timeout_s=3.0, memory_mb=256, max_processes=8)
 PROBLEM = {

@@ -14,7 +14,7 @@ import pytest
 from s3_server import use_server
 
 from mars.config import ConfigError, load_params
-from mars.store import (IntegrityError, NotFound, StoreConfig, StoreError, configure_dvc, object_key, open_store,
+from mars.release.store import (IntegrityError, NotFound, StoreConfig, StoreError, configure_dvc, object_key, open_store,
                         sha256_file, store_config)
 
 MB = 1024 * 1024

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from mars import suite
+from mars.training import suite
 from mars.errors import ConfigError
 
 

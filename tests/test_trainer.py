@@ -21,7 +21,7 @@ from conftest import tiny_model
 from safetensors.torch import load_file
 
 from mars.errors import ConfigError, MarsError
-from mars.trainer import (DataOrder, TrainConfig, complete_checkpoints, load_train_config, shard, train)
+from mars.training.trainer import (DataOrder, TrainConfig, complete_checkpoints, load_train_config, shard, train)
 
 VOCAB = 96
 SPECIALS = ["<pad>", "</s>", "<|mask|>"]
@@ -44,7 +44,7 @@ def make_tokenizer():
 
 def make_init(path: Path, seed: int = 0) -> Path:
     """A base checkpoint as `mars base` writes it: model + tokenizer, mask token registered."""
-    from mars.mask_token import add_mask_token
+    from mars.core.mask_token import add_mask_token
 
     model, tokenizer = tiny_model("llama", seed=seed, vocab=VOCAB), make_tokenizer()
     model.config.tie_word_embeddings = True  # as the tiny base: checkpoints must survive shared tensors
@@ -69,7 +69,7 @@ def copy_examples(n: int, seed: int = 0, prompt_len: tuple[int, int] = (3, 9)) -
 
 def prepare_data(out: Path, init: Path, examples: list[dict]) -> Path:
     """`mars prepare` on the synthetic examples (as prompt/response text rows of a JSONL file)."""
-    from mars.data import DataConfig, prepare
+    from mars.training.data import DataConfig, prepare
 
     src = out.with_suffix(".jsonl")
     with src.open("w") as fh:
@@ -190,7 +190,7 @@ def test_w_ar_zero_ablation_at_block_16_trains_on_l_mask_alone(init_dir, tmp_pat
 
 
 def test_random_block_offsets_do_not_depend_on_how_the_batch_is_split():
-    from mars.trainer import offset_generator, shard_positions
+    from mars.training.trainer import offset_generator, shard_positions
 
     idx = list(range(100, 116))
     whole = torch.randint(0, 4, (16,), generator=offset_generator(7, 3, 0, 4)).tolist()

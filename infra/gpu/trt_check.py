@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mars.config import add_params_arguments, params_from_args, section
 from mars.errors import MarsError
-from mars.export import ExportConfig, export_checkpoint, stand_in_checkpoint, tensorrt_unavailable_reason
+from mars.release.export import ExportConfig, export_checkpoint, stand_in_checkpoint, tensorrt_unavailable_reason
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -342,7 +342,7 @@ def isolation() -> Isolation:
     if _ISOLATION is None:
         probe = (
             "import os, sys\n"
-            "from mars.sandbox import _unshare_network, _drop_to_uid\n"
+            "from mars.evaluation.sandbox import _unshare_network, _drop_to_uid\n"
             "net = int(_unshare_network(os.geteuid() == 0))\n"
             "if os.geteuid() == 0:\n"
             "    try:\n"
@@ -378,7 +378,7 @@ def run_python(source: str, limits: SandboxLimits = SandboxLimits()) -> ExecResu
                 os.chown(workdir / name, uid, uid)
         spec = {"uid": uid, "workdir": str(workdir), "network_namespace": iso.network_namespace,
                 "guard": limits.guard, **{k: v for k, v in dataclasses.asdict(limits).items() if k != "guard"}}
-        launcher = "from mars.sandbox import _launch_main; _launch_main()"
+        launcher = "from mars.evaluation.sandbox import _launch_main; _launch_main()"
         proc = subprocess.Popen(
             [sys.executable, "-c", launcher, json.dumps(spec)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

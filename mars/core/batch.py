@@ -8,7 +8,7 @@ only the clean stream is built, so the two objectives share one code path.
 Labels follow the AR alignment in both streams: the output at position ``t`` predicts ``x[t+1]``,
 counted only where ``x[t+1]`` is a response token (in the noisy stream, every response token is a
 mask). Lengths are padded up to a multiple of B. With ``drop_prompt`` the noisy stream starts at the
-block holding the last prompt token (:func:`mars.masking.noisy_start`), which saves compute and
+block holding the last prompt token (:func:`mars.core.masking.noisy_start`), which saves compute and
 changes no loss-bearing output.
 """
 
@@ -20,7 +20,7 @@ from typing import Literal, Sequence
 import torch
 
 from mars.errors import DataError, MarsError
-from mars.masking import CLEAN, NOISY, TokenLayout, block_ids, for_model, noisy_start
+from mars.core.masking import CLEAN, NOISY, TokenLayout, block_ids, for_model, noisy_start
 
 IGNORE = -100
 Objective = Literal["ar", "mars"]
@@ -94,7 +94,7 @@ def build_batch(
     if objective not in ("ar", "mars"):
         raise MarsError(f"objective must be 'ar' or 'mars', got {objective!r}")
     if objective == "mars" and mask_token_id is None:
-        raise MarsError("the mars objective needs a mask token id (see mars.mask_token.add_mask_token)")
+        raise MarsError("the mars objective needs a mask token id (see mars.core.mask_token.add_mask_token)")
     if not examples:
         raise MarsError("build_batch got no examples")
     exs = [e if isinstance(e, Example) else Example(e["input_ids"], int(e["prompt_len"])) for e in examples]

@@ -14,7 +14,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from mars.atomic import atomic_dir
+from mars.core.atomic import atomic_dir
 from mars.errors import MarsError
 
 SMOLLM2 = "smollm2"

@@ -5,8 +5,8 @@
 
 Stages (params ``train.<stage>``): ``sft`` (AR from the base model), ``mars`` (MARS from the SFT
 checkpoint) and ``ar_control`` (AR continued from the SFT checkpoint for as many steps as ``mars``:
-the fair baseline). Batches come from :func:`mars.batch.build_batch`, the loss from
-:func:`mars.loss.compute_loss`.
+the fair baseline). Batches come from :func:`mars.core.batch.build_batch`, the loss from
+:func:`mars.core.loss.compute_loss`.
 
 Devices and processes go through accelerate: the same code runs in one CPU process, as several
 gloo processes (``accelerate launch --multi_gpu ...`` or ``torchrun``), and on GPUs with DDP, FSDP or
@@ -42,10 +42,10 @@ from typing import Literal, Sequence
 
 import torch
 
-from mars.atomic import atomic_dir, read_json, replace_dir, write_text
-from mars.batch import DualStreamBatch, build_batch
+from mars.core.atomic import atomic_dir, read_json, replace_dir, write_text
+from mars.core.batch import DualStreamBatch, build_batch
 from mars.errors import ConfigError, DataError, MarsError
-from mars.loss import compute_loss
+from mars.core.loss import compute_loss
 
 Stage = Literal["sft", "mars", "ar_control"]
 STAGES: tuple[str, ...] = ("sft", "mars", "ar_control")
@@ -176,7 +176,7 @@ def load_examples(data_dir: str | Path, max_length: int, split: str = "train") -
     Examples longer than ``max_length`` lose the end of their response; an example whose prompt
     alone fills ``max_length`` has nothing left to learn from and is dropped.
     """
-    from mars.data import load_meta, load_split
+    from mars.training.data import load_meta, load_split
 
     meta = load_meta(data_dir)
     examples = truncate_examples(load_split(data_dir, split), max_length)
@@ -414,8 +414,8 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
     """
     from accelerate.utils import set_seed
 
-    from mars.mask_token import mask_token_id
-    from mars.models import load_model
+    from mars.core.mask_token import mask_token_id
+    from mars.core.models import load_model
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -441,7 +441,7 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
     if pad_id is None:
         raise MarsError(f"{init}: tokenizer has neither a pad nor an EOS token")
     if data_meta is not None:
-        from mars.data import check_tokenizer
+        from mars.training.data import check_tokenizer
 
         check_tokenizer(data_meta, tokenizer)  # the data's token ids must mean the same here
     base = (getattr(model.config, "mars", None) or {}).get("base") or str(init)

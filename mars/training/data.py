@@ -1,7 +1,7 @@
 """The ``prepare`` stage: instruction data -> tokenized, B-independent shards + stats; and reading them back.
 
 Sources (``data.source``):
-- ``builtin``: the project's own suite (:mod:`mars.suite`), train and held-out splits disjoint by content;
+- ``builtin``: the project's own suite (:mod:`mars.training.suite`), train and held-out splits disjoint by content;
 - a local ``.jsonl``, ``.json`` (a list of objects) or ``.parquet`` file;
 - a ``datasets`` name or a local dataset directory (``data.split`` is read; a name needs the hub or a
   filled HF cache).
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from mars import suite
-from mars.atomic import atomic_dir, read_json
+from mars.training import suite
+from mars.core.atomic import atomic_dir, read_json
 from mars.config import add_params_arguments, as_dict, params_from_args, section
 from mars.errors import ConfigError, DataError
 
@@ -395,8 +395,8 @@ def prepare(cfg: DataConfig, base: str | Path, out: str | Path) -> dict:
     """Tokenize ``cfg``'s source with ``base``'s tokenizer into ``out``; returns meta.json's content."""
     from transformers import AutoConfig
 
-    from mars.mask_token import mask_token_id
-    from mars.models import load_tokenizer
+    from mars.core.mask_token import mask_token_id
+    from mars.core.models import load_tokenizer
 
     base, out = Path(base), Path(out)
     if not (base / "config.json").is_file():
@@ -474,7 +474,7 @@ def load_split(data_dir: str | Path, split: str) -> list[dict]:
 
 def check_tokenizer(meta: dict, tokenizer) -> None:
     """Raise DataError when ``tokenizer`` is not the one the data was prepared with (ids would differ)."""
-    from mars.mask_token import MASK_TOKEN
+    from mars.core.mask_token import MASK_TOKEN
 
     for key, actual in (("eos_token_id", tokenizer.eos_token_id), ("vocab_size", len(tokenizer))):
         if meta[key] != actual:

@@ -1,8 +1,8 @@
 """``mars evaluate``: every checkpoint x benchmark x tau, with accuracy next to decoding speed.
 
 For each checkpoint (``--checkpoint NAME=DIR``, e.g. sft, ar_control, mars), each enabled benchmark
-(:mod:`mars.benchmarks`) and each tau of the sweep, the questions are decoded greedily with
-:func:`mars.decoding.generate` at the checkpoint's block size and scored. Written:
+(:mod:`mars.evaluation.benchmarks`) and each tau of the sweep, the questions are decoded greedily with
+:func:`mars.decoding.loop.generate` at the checkpoint's block size and scored. Written:
 
 - ``<out>/<checkpoint>/<benchmark>/tau=<tau>.jsonl``: one line per item (prompt ids, generated ids and
   text, forwards, score and the scorer's details), so every number traces back to its generations;
@@ -10,7 +10,7 @@ For each checkpoint (``--checkpoint NAME=DIR``, e.g. sft, ar_control, mars), eac
   ``tokens_per_forward`` (generated tokens / decoding forwards, summed over items), ``tokens``,
   ``forwards``, ``seconds`` (decoding wall clock), ``tokens_per_s``, ``n``, ``tau``, ``block_size``;
 - ``<out>/plots/<benchmark>/<checkpoint>.json``: accuracy vs tokens/forward rows for ``dvc plots``;
-- ``<out>/figures/*.png`` and ``<out>/report.md`` (:mod:`mars.plots`).
+- ``<out>/figures/*.png`` and ``<out>/report.md`` (:mod:`mars.evaluation.plots`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mars.atomic import write_json, write_jsonl
-from mars.benchmarks import BenchmarkConfig, Context, create
+from mars.core.atomic import write_json, write_jsonl
+from mars.evaluation.benchmarks import BenchmarkConfig, Context, create
 from mars.config import add_params_arguments, params_from_args, section
 from mars.errors import ConfigError, MarsError
-from mars.gate import metric_key
-from mars.sandbox import SandboxLimits
+from mars.evaluation.gate import metric_key
+from mars.evaluation.sandbox import SandboxLimits
 
 
 def _default_benchmarks() -> dict[str, BenchmarkConfig]:
@@ -96,7 +96,7 @@ def summarize(rows: list[dict], seconds: float, tau: float, block_size: int) -> 
 def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, cfg: EvalConfig, out_dir: Path,
                    log=print) -> dict:
     """Evaluate one loaded model on every benchmark x tau; writes per-item outputs, returns metrics entries."""
-    from mars.decoding import generate
+    from mars.decoding.loop import generate
 
     mars_cfg = getattr(model.config, "mars", None) or {}
     block_size = cfg.block_size or mars_cfg.get("block_size")
@@ -160,8 +160,8 @@ def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, o
     """Evaluate every checkpoint; write per-item outputs, metrics, plot data, PNGs and the report."""
     import torch
 
-    from mars import plots
-    from mars.models import load_model
+    from mars.evaluation import plots
+    from mars.core.models import load_model
 
     if not checkpoints:
         raise MarsError("no checkpoint to evaluate (give --checkpoint NAME=DIR)")

@@ -548,7 +548,7 @@ def cli(argv: list[str], verb: str = "store") -> int:
         url = configure_dvc(cfg, args.repo, args.remote, default=not args.no_default)
         print(f"dvc remote {args.remote or cfg.dvc_remote} -> {url}")
         return 0
-    from mars.release import list_releases
+    from mars.release.promote import list_releases
 
     store = open_store(cfg)
     store.check()

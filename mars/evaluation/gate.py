@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mars.atomic import read_json, write_json
+from mars.core.atomic import read_json, write_json
 from mars.config import add_params_arguments, params_from_args, section
 from mars.errors import ConfigError, MarsError
 

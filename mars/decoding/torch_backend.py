@@ -1,6 +1,6 @@
 """The PyTorch decode backend: a per-row KV cache and a lean pass over the model's own layers.
 
-:mod:`mars.decoding` drives any backend through ``start / forward / commit / retain / reset`` (see its
+:mod:`mars.decoding.loop` drives any backend through ``start / forward / commit / retain / reset`` (see its
 module docstring). This one serves a transformers causal LM.
 
 The cache (:class:`RowCache`) is preallocated per layer as ``[rows, kv_heads, capacity, head_dim]``;

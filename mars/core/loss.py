@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mars.batch import IGNORE, DualStreamBatch
-from mars.masking import CLEAN, NOISY
+from mars.core.batch import IGNORE, DualStreamBatch
+from mars.core.masking import CLEAN, NOISY
 
 
 @dataclass

@@ -11,7 +11,7 @@ import csv
 import math
 from pathlib import Path
 
-from mars.atomic import atomic_path, write_text
+from mars.core.atomic import atomic_path, write_text
 
 FIGURES = "figures"  # PNGs; eval/plots/ holds only the dvc plots data series
 

@@ -29,7 +29,7 @@ wait); once none waits, finished rows leave the batch and their cache rows are d
 Backend interface
 -----------------
 The cached loop talks to the model only through four calls, so another runtime (ONNX Runtime in
-mars.export) can serve it. All arguments are torch tensors; ids/positions are int64 on the backend's
+mars.release.export) can serve it. All arguments are torch tensors; ids/positions are int64 on the backend's
 ``device``; ``b`` is the number of live rows (it shrinks through ``retain``).
 
 ``start(prefixes: list[list[int]]) -> None``
@@ -74,7 +74,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 import torch
 
 from mars.errors import ConfigError, MarsError
-from mars.torch_backend import TorchBackend
+from mars.decoding.torch_backend import TorchBackend
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -451,7 +451,7 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
         block_size = 1
     mask_id = 0  # with one slot per step no window holds a mask; any valid id fills the unused tail
     if needs_masks and block_size > 1:
-        from mars.mask_token import mask_token_id
+        from mars.core.mask_token import mask_token_id
 
         mask_id = mask_token_id(model, tokenizer)  # raises MaskTokenError for a non-MARS checkpoint
     if b_cache is not None and use_cache and b_cache < block_size:
@@ -524,7 +524,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_for_decoding(source: str, args: argparse.Namespace):
-    from mars.models import load_model
+    from mars.core.models import load_model
 
     dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
     return load_model(source, dtype=dtype, device=args.device)

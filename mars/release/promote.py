@@ -1,6 +1,6 @@
 """Releases: ``mars promote`` publishes a gated model to the store, ``mars pull`` fetches it verified.
 
-Store layout (see :mod:`mars.store` for the URI and the object store):
+Store layout (see :mod:`mars.release.store` for the URI and the object store):
 
 - ``objects/sha256/..``                       every file, once, under the hash of its bytes
 - ``releases/<name>/<version>/manifest.json`` one per release, never rewritten: file list with
@@ -31,10 +31,10 @@ import re
 import subprocess
 from pathlib import Path, PurePosixPath
 
-from mars.atomic import atomic_dir, read_json
+from mars.core.atomic import atomic_dir, read_json
 from mars.config import add_params_arguments, params_from_args
 from mars.errors import MarsError
-from mars.store import (IntegrityError, NotFound, Store, StoreConfig, iter_files, object_key, open_store,
+from mars.release.store import (IntegrityError, NotFound, Store, StoreConfig, iter_files, object_key, open_store,
                         sha256_file, store_config)
 
 RELEASE_FORMAT = 1
@@ -98,7 +98,7 @@ def checkpoint_info(checkpoint: Path) -> dict:
 
 def check_export(export: Path, checkpoint: Path, block_size: int) -> dict:
     """The export's manifest, after checking it was made from ``checkpoint`` (same files, same B)."""
-    from mars.export import checkpoint_sha256
+    from mars.release.export import checkpoint_sha256
 
     manifest = export / "manifest.json"
     info = read_json(manifest, "not an export: run `mars export`", ReleaseError)

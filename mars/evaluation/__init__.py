@@ -1,0 +1,1 @@
+"""Evaluation phase: benchmarks, the evaluate run, the code sandbox, plots and the promotion gate."""

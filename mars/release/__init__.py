@@ -1,0 +1,1 @@
+"""Release phase: export of the block forward, the artifact store, promote and pull."""
