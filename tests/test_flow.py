@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from project_copy import copy_project, init_repo
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,21 +91,6 @@ def artifact(state) -> str:
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id(state)])))
     (md,) = [a for a in found if a.key == "mars-pipeline-report"]
     return md.data
-
-
-def git(cwd: Path, *args: str) -> None:
-    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def init_repo(path: Path) -> None:
-    """A git repository of ``path`` with one commit (and DVC initialised where .dvc/ is missing)."""
-    git(path, "init", "-q")
-    git(path, "config", "user.email", "test@example.com")
-    git(path, "config", "user.name", "test")
-    if not (path / ".dvc").is_dir():
-        subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=path, check=True)
-    git(path, "add", "-A")
-    git(path, "commit", "-q", "-m", "project")
 
 
 # --------------------------------------------------------------------------- the small project
@@ -291,18 +276,6 @@ def run_script(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
         out, _ = proc.communicate(timeout=60)
         pytest.fail(f"{cmd[0]} did not finish in {timeout} s:\n{out[-6000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-
-
-def copy_project(dest: Path) -> Path:
-    """This checkout's files (tracked and untracked, not ignored) in a fresh git repo at ``dest``."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           check=True, capture_output=True).stdout.decode().split("\0")
-    for rel in filter(None, files):
-        src = REPO / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    return dest
 
 
 @pytest.fixture(scope="module")
