@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from mars.decoding.onnx_backend import EngineError, ExportedBlock, read_manifest, sha256_file, window_mask
+from mars.core.digest import sha256_file
+from mars.decoding.onnx_backend import EngineError, ExportedBlock, read_manifest, window_mask
 from mars.errors import ConfigError, MarsError
 from mars.release.export import (ExportConfig, ExportError, block_forward, block_spec, example_inputs, export_checkpoint)
 

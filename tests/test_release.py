@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from s3_server import REPO, launch, use_server
 
-from mars.release.export import checkpoint_sha256
+from mars.core.digest import sha256_tree
 from mars.release.promote import (IntegrityError, ReleaseError, cli, list_releases, manifest_key, pointer_key, promote,
                           pull, rollback)
 from mars.release.store import StoreConfig, object_key, open_store
@@ -48,7 +48,7 @@ def make_inputs(root: Path, seed: str, weights_size: int = 20_000, gate: dict = 
     (export / "model.onnx").write_bytes(_bytes(f"onnx-{seed}", 5000))
     (export / "config.json").write_text(json.dumps({"mars": MARS}))
     (export / "manifest.json").write_text(json.dumps({"format_version": 1, "mars": MARS,
-                                                      "checkpoint": {"sha256": checkpoint_sha256(ckpt)}}))
+                                                      "checkpoint": {"sha256": sha256_tree(ckpt)}}))
     (root / "gate.json").write_text(json.dumps(gate))
     return {"gate": root / "gate.json", "export": export, "checkpoint": ckpt}
 

@@ -14,8 +14,9 @@ import pytest
 from s3_server import use_server
 
 from mars.config import ConfigError, load_params
+from mars.core.digest import sha256_file
 from mars.release.store import (IntegrityError, NotFound, StoreConfig, StoreError, configure_dvc, object_key, open_store,
-                        sha256_file, store_config)
+                                store_config)
 
 MB = 1024 * 1024
 

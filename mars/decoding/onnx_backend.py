@@ -21,13 +21,13 @@ graph; :class:`OnnxBackend` keeps per-row prefix caches and drives the decoding 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from mars.core.digest import sha256_file
 from mars.errors import MarsError
 
 MANIFEST = "manifest.json"
@@ -38,14 +38,6 @@ OUTPUT_NAMES = ("logits", "new_keys", "new_values")
 
 class EngineError(MarsError):
     pass
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def window_mask(prefix_lens, past: int, window: int, dtype=np.float32) -> np.ndarray:

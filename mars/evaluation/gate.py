@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import hashlib
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mars.core.atomic import read_json, write_json
+from mars.core.digest import sha256_file
 from mars.config import add_params_arguments, params_from_args, section
 from mars.errors import ConfigError, MarsError
 
@@ -172,7 +172,7 @@ def read_metrics(path: str | Path) -> dict:
 def run_gate(metrics_path: str | Path, out: str | Path, cfg: GateConfig) -> dict:
     decision = decide(read_metrics(metrics_path), cfg)  # raises first when the file is missing or malformed
     decision["metrics"] = str(metrics_path)
-    decision["metrics_sha256"] = hashlib.sha256(Path(metrics_path).read_bytes()).hexdigest()
+    decision["metrics_sha256"] = sha256_file(metrics_path)
     write_json(out, decision)
     return decision
 

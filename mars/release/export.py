@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Literal
 
 from mars.core.atomic import atomic_dir
-from mars.decoding.onnx_backend import FORMAT_VERSION, INPUT_NAMES, MANIFEST, OUTPUT_NAMES, BlockSpec, sha256_file, window_mask
+from mars.core.digest import sha256_file, sha256_tree
+from mars.decoding.onnx_backend import FORMAT_VERSION, INPUT_NAMES, MANIFEST, OUTPUT_NAMES, BlockSpec, window_mask
 from mars.errors import ConfigError, MarsError
 
 ONNX_FILE = "model.onnx"
@@ -185,16 +186,6 @@ def text_inputs(model, tokenizer, spec: BlockSpec, prefix_lens, past: int, *, ge
 
 # --------------------------------------------------------------------------------------------------
 # Checkpoint checks
-
-
-def checkpoint_sha256(checkpoint: Path) -> str:
-    """One hash over every file of a checkpoint directory (relative path + file sha256)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for file in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
-        digest.update(f"{file.relative_to(checkpoint).as_posix()}\0{sha256_file(file)}\n".encode())
-    return digest.hexdigest()
 
 
 def check_checkpoint(checkpoint: Path) -> dict:
@@ -453,7 +444,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, cfg: ExportConfig
         manifest = {
             "format_version": FORMAT_VERSION,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "checkpoint": {"path": str(checkpoint), "sha256": checkpoint_sha256(checkpoint)},
+            "checkpoint": {"path": str(checkpoint), "sha256": sha256_tree(checkpoint)},
             "mars": mars,
             "block": dataclasses.asdict(spec),
             "export_config": dataclasses.asdict(cfg),

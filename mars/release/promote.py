@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import hashlib
 import json
 import re
 import subprocess
 from pathlib import Path, PurePosixPath
 
 from mars.core.atomic import atomic_dir, read_json
+from mars.core.digest import sha256_bytes, sha256_file, sha256_tree
 from mars.config import add_params_arguments, params_from_args
 from mars.errors import MarsError
 from mars.release.store import (IntegrityError, NotFound, Store, StoreConfig, iter_files, object_key, open_store,
-                        sha256_file, store_config)
+                                store_config)
 
 RELEASE_FORMAT = 1
 MANIFEST_FILE = "release.json"
@@ -98,8 +98,6 @@ def checkpoint_info(checkpoint: Path) -> dict:
 
 def check_export(export: Path, checkpoint: Path, block_size: int) -> dict:
     """The export's manifest, after checking it was made from ``checkpoint`` (same files, same B)."""
-    from mars.release.export import checkpoint_sha256
-
     manifest = export / "manifest.json"
     info = read_json(manifest, "not an export: run `mars export`", ReleaseError)
     try:
@@ -109,7 +107,7 @@ def check_export(export: Path, checkpoint: Path, block_size: int) -> dict:
     if exported_b != block_size:
         raise ReleaseError(f"{manifest}: block_size {exported_b} differs from the checkpoint's {block_size} "
                            f"({checkpoint}/config.json): export the checkpoint you promote")
-    if exported_from != checkpoint_sha256(checkpoint):
+    if exported_from != sha256_tree(checkpoint):
         raise ReleaseError(f"{manifest}: the export was made from a different checkpoint than {checkpoint} "
                            "(checkpoint.sha256 differs): export the checkpoint you promote")
     return info
@@ -287,7 +285,7 @@ def resolve_release(store: Store, name: str, stage: str | None = None,
             raise IntegrityError(f"{store.where(pointer_key(name, stage))}: bad stage pointer")
     key = manifest_key(name, version)
     data = store.get_bytes(key)
-    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+    if expected is not None and sha256_bytes(data) != expected:
         raise IntegrityError(f"{store.where(key)}: manifest does not match the stage pointer's sha256: "
                              "tampered or corrupt, refused")
     try:

@@ -22,7 +22,6 @@ value that would reach a message is redacted.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from mars.config import ConfigError, add_params_arguments, params_from_args, section
+from mars.core.digest import sha256_bytes, sha256_file
 from mars.errors import MarsError
 
 MB = 1024 * 1024
@@ -111,14 +111,6 @@ def store_config(params: dict, uri: str | None = None) -> StoreConfig:
 
 def object_key(sha256: str) -> str:
     return f"{OBJECTS}/{sha256[:2]}/{sha256}"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _progress(total: int, desc: str, min_bytes: int):
@@ -205,12 +197,12 @@ class Store:
             raise IntegrityError(f"{self.where(key)}: not valid JSON (corrupt document)") from None
         if not isinstance(doc, dict):
             raise IntegrityError(f"{self.where(key)}: expected a JSON object")
-        return doc, hashlib.sha256(data).hexdigest()
+        return doc, sha256_bytes(data)
 
     def put_json(self, key: str, doc: dict, *, if_absent: bool = False) -> tuple[bool, str]:
         """Write ``doc``; returns (written, sha256 of the bytes written)."""
         data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
-        return self.put_bytes(key, data, if_absent=if_absent), hashlib.sha256(data).hexdigest()
+        return self.put_bytes(key, data, if_absent=if_absent), sha256_bytes(data)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ Output (written into a temp dir beside ``--out``, then swapped in): per split Pa
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import random
 import statistics
@@ -39,6 +38,7 @@ from typing import Any, Iterator, Literal
 
 from mars.training import suite
 from mars.core.atomic import atomic_dir, read_json
+from mars.core.digest import sha256_tree
 from mars.config import add_params_arguments, as_dict, params_from_args, section
 from mars.errors import ConfigError, DataError
 
@@ -382,13 +382,10 @@ def write_shards(rows: list[dict], split: str, out: Path, rows_per_shard: int) -
 def tokenizer_sha256(model_dir: str | Path) -> str:
     """sha256 over the tokenizer files of a checkpoint dir (the vocabulary the ids refer to)."""
     model_dir = Path(model_dir)
-    files = [model_dir / "tokenizer.json"]
-    if not files[0].is_file():
-        files = sorted(p for p in model_dir.iterdir() if p.name.startswith(("vocab", "merges", "tokenizer")))
-    h = hashlib.sha256()
-    for path in files:
-        h.update(path.name.encode() + b"\x00" + path.read_bytes())
-    return h.hexdigest()
+    names = ["tokenizer.json"]
+    if not (model_dir / names[0]).is_file():
+        names = [p.name for p in model_dir.iterdir() if p.name.startswith(("vocab", "merges", "tokenizer"))]
+    return sha256_tree(model_dir, names)
 
 
 def prepare(cfg: DataConfig, base: str | Path, out: str | Path) -> dict:
