@@ -107,6 +107,9 @@ def test_window_mask_rows_see_their_prefix_and_the_causal_window():
     assert mask.shape == (2, 1, 2, 5) and mask.dtype == np.float32
     assert seen[0, 0].tolist() == [[True, True, False, True, False], [True, True, False, True, True]]
     assert seen[1, 0].tolist() == [[False, False, False, True, False], [False, False, False, True, True]]
+    half = window_mask([2, 0], past=3, window=2, dtype=np.float16)
+    assert half.dtype == np.float16 and np.array_equal(half == 0, seen)
+    assert (half[~seen] == np.finfo(np.float16).min).all()
     with pytest.raises(EngineError, match="prefix lengths"):
         window_mask([4], past=3, window=2)
 

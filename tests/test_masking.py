@@ -69,11 +69,13 @@ def test_drop_prompt_keeps_the_loss_bearing_rows():
     assert torch.equal(compact, full[keep][:, keep])
 
 
-def test_additive_form_blocks_with_finfo_min():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_additive_form_blocks_with_the_dtypes_own_finfo_min(dtype):
     m = dual_stream_mask(5, 2)
-    add = to_additive(m[None])[0, 0]
-    assert torch.equal(add == 0, m)
-    assert (add[~m] == torch.finfo(torch.float32).min).all()
+    add = to_additive(m[None], dtype)
+    assert add.shape == (1, 1, 10, 10) and add.dtype == dtype  # [batch, heads, q, k], as eager adds it
+    assert torch.equal(add[0, 0] == 0, m)
+    assert (add[0, 0][~m] == torch.finfo(dtype).min).all()  # finite: float32's min would be -inf in float16
 
 
 def _plain_logits(model, ids: torch.Tensor) -> torch.Tensor:

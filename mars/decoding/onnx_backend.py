@@ -43,13 +43,18 @@ class EngineError(MarsError):
 def window_mask(prefix_lens, past: int, window: int, dtype=np.float32) -> np.ndarray:
     """Additive mask ``[batch, 1, W, past + W]``: row r's query i sees prefix keys ``j < prefix_lens[r]``
     and window keys ``k <= i`` (so no row is ever empty, even with an empty prefix)."""
+    import torch  # here, not at the top: reading and checking an export needs no torch
+
+    from mars.core.masking import to_additive
+
     lens = np.asarray(prefix_lens, dtype=np.int64)
     if lens.ndim != 1 or (lens < 0).any() or (lens > past).any():
         raise EngineError(f"prefix lengths {lens.tolist()} must lie in [0, past={past}]")
     allowed = np.zeros((len(lens), 1, window, past + window), dtype=bool)
     allowed[:, 0, :, :past] = np.arange(past)[None, None, :] < lens[:, None, None]
     allowed[:, 0, :, past:] = np.tril(np.ones((window, window), dtype=bool))[None]
-    return np.where(allowed, 0.0, np.finfo(dtype).min).astype(dtype)
+    torch_dtype = torch.from_numpy(np.zeros(0, dtype)).dtype  # the same float type on the torch side
+    return to_additive(torch.from_numpy(allowed), torch_dtype).numpy()
 
 
 @dataclass(frozen=True)

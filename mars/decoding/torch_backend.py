@@ -32,6 +32,7 @@ import importlib
 
 import torch
 
+from mars.core.masking import to_additive, to_sdpa
 from mars.errors import MarsError
 
 LEAN_MODEL_TYPES = ("llama", "qwen2")
@@ -41,10 +42,9 @@ def _attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
     """``allowed [b, q, k]`` in the form the model's attention takes as a 4D mask (used as given)."""
     impl = getattr(model.config, "_attn_implementation", "sdpa")
     if impl == "sdpa":
-        return allowed[:, None]
+        return to_sdpa(allowed)
     if impl == "eager":  # eager adds the mask to the scores: a boolean mask would be silently wrong
-        zero = torch.zeros((), dtype=model.dtype, device=allowed.device)
-        return torch.where(allowed[:, None], zero, torch.finfo(model.dtype).min)
+        return to_additive(allowed, model.dtype)
     raise MarsError(f"decoding needs attn_implementation 'sdpa' or 'eager' (4D masks), the model uses {impl!r}")
 
 

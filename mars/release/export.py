@@ -116,23 +116,17 @@ def example_inputs(spec: BlockSpec, prefix_lens, past: int, *, dtype=None, devic
     (entries beyond a row's length are noise the mask must hide)."""
     import torch
 
+    from mars.core.masking import to_additive
+
     dtype = dtype or torch.float32
     b, w = spec.batch_size, spec.window
     lens = torch.as_tensor(prefix_lens, dtype=torch.long)
     ids = torch.randint(0, spec.vocab_size, (b, w), generator=generator)
     positions = lens[:, None] + torch.arange(w)[None]
-    mask = mask_as(torch.from_numpy(window_mask(lens.numpy(), past, w)), dtype)
+    mask = to_additive(torch.from_numpy(window_mask(lens.numpy(), past, w)) == 0, dtype)
     keys = torch.randn(spec.cache_shape(past), generator=generator).to(dtype)
     values = torch.randn(spec.cache_shape(past), generator=generator).to(dtype)
     return tuple(t.to(device) for t in (ids, positions, mask, keys, values))
-
-
-def mask_as(mask, dtype):
-    """An additive mask in another float dtype, blocked entries at that dtype's finfo.min (a plain cast
-    of float32's min overflows to -inf in float16)."""
-    import torch
-
-    return torch.where(mask == 0, 0.0, torch.finfo(dtype).min).to(dtype)
 
 
 def parity_prefix_lengths(spec: BlockSpec) -> list[int]:
@@ -311,6 +305,8 @@ def build_tensorrt(model, tokenizer, spec: BlockSpec, out_dir: Path, cfg: Export
     import torch
     import torch_tensorrt
 
+    from mars.core.masking import to_additive
+
     dtype = getattr(torch, cfg.trt_dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     # Copies: the caller's fp32 CPU model stays as it is (its ONNX export is already written).
@@ -337,7 +333,8 @@ def build_tensorrt(model, tokenizer, spec: BlockSpec, out_dir: Path, cfg: Export
     for length in parity_prefix_lengths(spec):
         host = text_inputs(model, tokenizer, spec, _ragged(length, spec.batch_size), past, generator=generator)
         ids, positions, mask, keys, values = (t.to(device) for t in host)
-        inputs = (ids, positions, mask_as(mask, dtype), keys.to(dtype), values.to(dtype))
+        # rebuilt, not cast: float32's finfo.min overflows to -inf in float16
+        inputs = (ids, positions, to_additive(mask == 0, dtype), keys.to(dtype), values.to(dtype))
         with torch.no_grad():
             got = compiled(*inputs)[0].float()
             same = gpu(*inputs)[0].float()
