@@ -215,15 +215,20 @@ def test_lean_forward_is_for_llama_and_qwen2_only():
 
 
 class RecordingBackend(TorchBackend):
-    """The real torch backend, recording how many rows each forward ran."""
+    """The real torch backend, recording the rows and width of each forward and what each commit kept."""
 
     def __init__(self, model):
         super().__init__(model)
-        self.rows, self.refilled = [], 0
+        self.rows, self.widths, self.commits, self.refilled = [], [], [], 0
 
     def forward(self, window_ids, positions, read=None):
         self.rows.append(window_ids.shape[0])
+        self.widths.append(window_ids.shape[1])
         return super().forward(window_ids, positions, read)
+
+    def commit(self, n_accept):
+        self.commits.append(n_accept.tolist())
+        super().commit(n_accept)
 
     def reset(self, rows):
         self.refilled += len(rows)
@@ -275,6 +280,146 @@ def test_generation_stops_at_the_model_context():
     prompt = random_prompts((context - 5,))[0]
     (result,) = generate(model, None, [prompt], tau=0.5, max_new_tokens=50)
     assert len(result.token_ids) == 5 and result.finish_reason == "length"
+
+
+# ------------------------------------------------------------------------------------------- lossless mode
+
+BLOCKS = (2, 4, 8)
+
+
+def test_lossless_accept_keeps_drafts_while_they_are_the_greedy_tokens():
+    # read j's greedy token is 10 + j; a lossless row's draft j is checked against read j's token
+    logits = _slot_logits([[0.2] * 4] * 4 + [[0.95, 0.95, 0.5, 0.99]])
+    drafts = torch.tensor([[10, 11, 12], [10, 7, 12], [-1, -1, -1], [10, 11, -1], [-1, -1, -1]])
+    lossless = torch.tensor([True, True, True, True, False])
+    toks, n, stopped = accept(logits, torch.full((5,), 0.9), torch.zeros(5, dtype=torch.bool),
+                              torch.tensor([], dtype=torch.long), torch.full((5,), 99), lossless, drafts)
+    # all three drafts right: they and the token read after the last one (4); the second draft wrong:
+    # the first draft and the greedy token in place of the wrong one (2); no drafts: the one AR token;
+    # confidence plays no part in lossless rows, and a tau row beside them keeps the tau rule (2)
+    assert n.tolist() == [4, 2, 1, 3, 2] and not stopped.any()
+    assert toks[1, :2].tolist() == [10, 11]
+    _, n, stopped = accept(logits[:1], torch.tensor([0.9]), torch.tensor([False]), torch.tensor([11]),
+                           torch.tensor([99]), lossless[:1], drafts[:1])
+    assert n.tolist() == [2] and stopped.tolist() == [True]  # a verified stop token ends the row
+    _, n, _ = accept(logits[:1], torch.tensor([0.9]), torch.tensor([False]), torch.tensor([], dtype=torch.long),
+                     torch.tensor([3]), lossless[:1], drafts[:1])
+    assert n.tolist() == [3]  # within the budget
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lossless_is_hf_greedy_token_for_token_at_every_block_size(arch):
+    model = mars_model(arch)
+    prompts = random_prompts()
+    alone = [hf_greedy(model, [p], 16)[0] for p in prompts]
+    for block_size in BLOCKS:
+        reference = generate(model, None, prompts, mode="lossless", block_size=block_size, max_new_tokens=16,
+                             batch_size=1, use_cache=False)
+        assert tokens(reference) == alone, block_size
+        for kwargs in (dict(batch_size=6, use_cache=False), dict(batch_size=1), dict(batch_size=6),
+                       dict(batch_size=4), dict(batch_size=6, b_cache=block_size),
+                       dict(batch_size=6, b_cache=block_size + 3),
+                       dict(batch_size=6, backend=TorchBackend(model, lean=False))):
+            results = generate(model, None, prompts, mode="lossless", block_size=block_size, max_new_tokens=16,
+                               **kwargs)
+            assert tokens(results) == alone, (block_size, kwargs)
+            assert [r.forwards for r in results] == [r.forwards for r in reference], (block_size, kwargs)
+            assert all(r.mode == "lossless" for r in results)
+
+
+PERIOD, DRAFT_EOS = 3, 30
+
+
+def periodic(n: int, length: int, seed: int) -> list[list[int]]:
+    """Sequences that repeat a random phrase of PERIOD tokens (ids below 60)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 60, (PERIOD,), generator=g).tolist() * length)[:length] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def drafting_model():
+    """A tiny Llama MARS-trained (B = 4, ~150 steps, seconds) on repeated phrases: its mask slots predict
+    what greedy decoding will say, so lossless drafts verify, unlike a random model's."""
+    from mars.core.batch import build_batch
+    from mars.core.loss import compute_loss
+
+    model = tiny_model("llama", vocab=VOCAB).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for step in range(150):
+        examples = [{"input_ids": x, "prompt_len": 7} for x in periodic(16, 23, seed=step)]
+        batch = build_batch(examples, objective="mars", block_size=B, mask_token_id=MASK, pad_token_id=0,
+                            block_offset="random", generator=g)
+        optimizer.zero_grad()
+        compute_loss(model, batch).loss.backward()
+        optimizer.step()
+    model.eval()
+    model.config.mars = {"block_size": B, "mask_token_id": MASK}
+    model.generation_config.eos_token_id = DRAFT_EOS  # a token it has learnt to repeat
+    return model
+
+
+def test_lossless_drafts_verify_several_tokens_per_forward_and_stay_exact(drafting_model):
+    model = drafting_model
+    repeating = [x[:n] for x, n in zip(periodic(5, 12, seed=1000), (7, 6, 11, 8, 9))]
+    stopping = [([12, DRAFT_EOS, 40] * 3)[:8]]  # greedy stops three tokens in: on a verified draft
+    other = random_prompts((6, 3, 10), seed=3)  # no phrase to repeat: drafts verify now and then
+    prompts = repeating + stopping + other
+    new = 20
+    alone = [hf_greedy(model, [p], new)[0] for p in prompts]
+    assert [len(a) for a in alone[:5]] == [new] * 5 and alone[5] == [40, 12, DRAFT_EOS]
+    for block_size in BLOCKS:
+        reference = generate(model, None, prompts, mode="lossless", block_size=block_size, max_new_tokens=new,
+                             batch_size=1, use_cache=False)
+        assert tokens(reference) == alone, block_size
+        # every draft right: one AR token from the prompt's forward, then B per forward
+        assert [r.forwards for r in reference[:5]] == [1 + -(-(new - 1) // block_size)] * 5, block_size
+        assert any(len(r.token_ids) > r.forwards > 1 + -(-(len(r.token_ids) - 1) // block_size)
+                   for r in reference[6:]), block_size  # some drafts right, some wrong
+        for kwargs in (dict(batch_size=9), dict(batch_size=4), dict(batch_size=9, b_cache=block_size),
+                       dict(batch_size=9, b_cache=2 * block_size + 1), dict(batch_size=3, use_cache=False),
+                       dict(batch_size=9, backend=TorchBackend(model, lean=False))):
+            results = generate(model, None, prompts, mode="lossless", block_size=block_size,
+                               max_new_tokens=new, **kwargs)
+            assert tokens(results) == alone, (block_size, kwargs)
+            assert [r.forwards for r in results] == [r.forwards for r in reference], (block_size, kwargs)
+
+
+def test_lossless_windows_hold_the_last_token_the_drafts_and_masks_and_only_verified_tokens_are_cached(
+        drafting_model):
+    prompt = periodic(1, 7, seed=3000)[0]
+    backend = RecordingBackend(drafting_model)
+    (result,) = generate(drafting_model, None, [prompt], mode="lossless", max_new_tokens=11, backend=backend)
+    # the prompt + 3 masks -> 1 token and 3 drafts; then the last token + 3 drafts + 3 masks -> 4 tokens
+    # (its 3 drafts and the token after them) and 3 drafts; the last step verifies only the draft the
+    # budget can use (11 = 1 + 4 + 4 + 2)
+    assert backend.widths == [7 + 3, 1 + 3 + 3, 1 + 3 + 3, 1 + 1 + 3] and result.forwards == 4
+    assert backend.commits == [[7], [1 + 3], [1 + 3], [1 + 1]]  # the token fed last and the verified drafts
+    assert result.token_ids == hf_greedy(drafting_model, [prompt], 11)[0]
+    for prompt in random_prompts((6, 3, 10), seed=3):  # drafts right and wrong: every step caches all but
+        backend = RecordingBackend(drafting_model)  # the newest token, never a draft it has not verified
+        (result,) = generate(drafting_model, None, [prompt], mode="lossless", max_new_tokens=20, backend=backend)
+        assert sum(c for (c,) in backend.commits) == len(prompt) + len(result.token_ids) - 1
+
+
+def test_lossless_rows_refill_and_mix_with_tau_rows_as_if_alone(drafting_model):
+    model = drafting_model
+    prompts = [x[:n] for x, n in zip(periodic(4, 12, seed=2000), (7, 4, 10, 5))] + random_prompts((6, 9), seed=4)
+    modes = ["lossless", "tau", "lossless", "tau", "lossless", "tau"]
+    taus = [0.9, 0.5, 0.3, 1.0, 0.7, 0.9]
+    alone = [generate(model, None, [p], mode=m, tau=t, max_new_tokens=20)[0] for p, m, t in zip(prompts, modes, taus)]
+    assert [a.token_ids for a, m in zip(alone, modes) if m == "lossless"] == \
+        [hf_greedy(model, [p], 20)[0] for p, m in zip(prompts, modes) if m == "lossless"]
+    backend = RecordingBackend(model)
+    for kwargs in (dict(batch_size=6), dict(batch_size=2, backend=backend), dict(batch_size=6, b_cache=8),
+                   dict(batch_size=4, use_cache=False)):
+        mixed = generate(model, None, prompts, mode=modes, tau=taus, max_new_tokens=20, **kwargs)
+        assert tokens(mixed) == tokens(alone), kwargs
+        assert [r.forwards for r in mixed] == [r.forwards for r in alone], kwargs
+        assert [r.mode for r in mixed] == modes and [r.tau for r in mixed] == taus
+    assert backend.refilled == 4  # two rows, six prompts: continuous batching refilled four times
+    lossless = [a for a, m in zip(alone, modes) if m == "lossless"]
+    assert sum(len(a.token_ids) for a in lossless) > 2 * sum(a.forwards for a in lossless)
 
 
 # ------------------------------------------------------------------------------------------- bad input

@@ -8,12 +8,23 @@ slot below tau and after a stop token (EOS). tau = 1.0 accepts slot 0 only and f
 it is greedy AR, token for token (a float32 softmax can round a mask's probability to exactly 1.0, so
 the threshold alone would not guarantee that). tau is per sequence, per call.
 
+**Lossless mode** (``mode="lossless"``, per sequence like tau; blockwise parallel decoding, Stern et
+al. 2018): the mask slots' greedy tokens are *drafts* that the next forward checks. Each forward feeds
+the last accepted token, the m pending drafts as real tokens, then B-1 masks (consecutive positions).
+The logit at the last accepted token and at each draft is an exact greedy AR step, so draft j is kept
+while it equals the greedy token read before it; the first wrong draft is replaced by that greedy
+token, and the step ends. When every draft holds, the token read at the last draft is taken too and
+the mask slots give the next B-1 drafts (as many as the token budget can use); after a wrong draft
+the next forward starts from the corrected token and fresh masks. Only verified tokens are committed
+to the cache. The output is greedy AR token for token, at 1..B tokens per forward (1 for the prompt's
+forward and after a wrong draft); tau plays no part. Windows are at most 2B-1 wide, as in tau mode.
+
 Three ways to run the same rule, all giving the same tokens:
 
-* **no cache** (``use_cache=False``): every step re-runs prompt + accepted tokens + masks. Slow and plain:
+* **no cache** (``use_cache=False``): every step re-runs prompt + accepted tokens (+ drafts) + masks. Slow and plain:
   the reference the cached paths are tested against.
 * **token-level cache** (``b_cache=None``, the default): after each step the cache keeps the tokens that
-  were real inputs of that step and drops the mask entries. In a batch, rows accept different counts
+  were real inputs of that step (and verified drafts) and drops the rest. In a batch, rows accept different counts
   and each row's cache grows by its own count (positions are explicit per row).
 * **block-level cache** (``b_cache=C >= B``, paper Fig. 4): the cache grows one block of C positions
   at a time, for every row at once. Inside a block each step forwards the whole uncached
@@ -69,12 +80,15 @@ import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Literal, Protocol, Sequence
 
 import torch
 
+from mars.core.checkpoint_info import CheckpointInfo
 from mars.errors import ConfigError, MarsError
 from mars.decoding.torch_backend import TorchBackend
+
+MODES = ("tau", "lossless")
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -86,6 +100,7 @@ class DecodeConfig:
 
     block_size: int | None = None  # None: the checkpoint's config.mars.block_size
     tau: float = 0.9
+    mode: Literal["tau", "lossless"] = "tau"  # lossless: greedy output, mask slots as verified drafts
     max_new_tokens: int = 256
     batch_size: int = 8
     b_cache: int | None = None  # None: token-level cache; C >= B: block-level cache of C positions
@@ -116,6 +131,7 @@ class GenerationResult:
     tau: float
     block_size: int
     finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens or the model's context)
+    mode: str = "tau"  # "tau" or "lossless" (tau unused: greedy output)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -155,13 +171,15 @@ class Generations(list):
 
 
 def accept(logits: torch.Tensor, tau: torch.Tensor, greedy: torch.Tensor, stop_ids: torch.Tensor,
-           room: torch.Tensor):
+           room: torch.Tensor, lossless: torch.Tensor | None = None, drafts: torch.Tensor | None = None):
     """The accept rule on the slot logits of one step.
 
     logits ``[b, S, V]`` (slot order), tau ``[b]``, greedy ``[b]`` (tau == 1: slot 0 only), stop_ids
-    ``[k]``, room ``[b]`` (tokens a row may still take, >= 0). Returns ``(tokens [b, S], n [b],
-    stopped [b])``: the greedy token per slot, how many leading slots are accepted, and whether the
-    accepted ones end in a stop token.
+    ``[k]``, room ``[b]`` (tokens a row may still take, >= 0). Lossless rows (``lossless [b]``) verify
+    instead: their reads 0..m sit at the last accepted token and at their m pending ``drafts``
+    (``[b, S-1]``, -1 past them), so slot j's greedy token is exact while drafts 0..j-1 equal the greedy
+    tokens read before them. Returns ``(tokens [b, S], n [b], stopped [b])``: the greedy token per slot,
+    how many leading slots are accepted, and whether the accepted ones end in a stop token.
     """
     logits = logits.float()
     tokens = logits.argmax(-1)  # the same pick as HF greedy (first index on ties)
@@ -169,9 +187,15 @@ def accept(logits: torch.Tensor, tau: torch.Tensor, greedy: torch.Tensor, stop_i
     if tokens.shape[1] == 1:  # one slot (tau = 1 everywhere): always accepted, no probability needed
         n = (room > 0).long()
         return tokens, n, is_stop[:, 0] & (n > 0)
-    prob = logits.softmax(-1).amax(-1)  # one fused kernel: faster on CPU than max, subtract, exp and sum
     slots = torch.arange(tokens.shape[1], device=tokens.device)
-    ok = (prob >= tau[:, None]) & ~greedy[:, None] & (slots < room[:, None])
+    if lossless is None or not bool(lossless.all()):
+        prob = logits.softmax(-1).amax(-1)  # one fused kernel: faster on CPU than max, subtract, exp and sum
+        ok = (prob >= tau[:, None]) & ~greedy[:, None]
+    else:  # lossless rows need no probability
+        ok = torch.zeros_like(is_stop)
+    if lossless is not None:
+        ok[:, 1:] = torch.where(lossless[:, None], drafts == tokens[:, :-1], ok[:, 1:])
+    ok &= slots < room[:, None]
     ok[:, 0] = room > 0  # slot 0 always is (when the row has room)
     ok[:, 1:] &= ~is_stop[:, :-1]  # nothing after a stop token (the cumprod carries the cut on)
     keep = ok.long().cumprod(1).bool()
@@ -215,17 +239,19 @@ class _Rows:
 
 @torch.inference_mode()  # no autograd bookkeeping on the per-step bookkeeping ops either
 def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, slots: int, tau: torch.Tensor,
-                  room: Sequence[int], stop_ids: torch.Tensor, mask_id: int, b_cache: int | None = None,
-                  max_rows: int | None = None, on_finish: Callable[[int], None] | None = None) -> _Rows:
+                  room: Sequence[int], stop_ids: torch.Tensor, mask_id: int, lossless: torch.Tensor | None = None,
+                  b_cache: int | None = None, max_rows: int | None = None,
+                  on_finish: Callable[[int], None] | None = None) -> _Rows:
     """The cached decoding loop (token level, or block level with ``b_cache``).
 
     ``slots`` is the number of slots read per step (B, or 1 when every row has tau = 1: no masks at all),
-    ``tau`` ``[n]``, ``room`` the token budget per prompt. At most ``max_rows`` rows decode at once
-    (default: all). With the token-level cache a row that finishes takes the next waiting prompt in the
-    same step (continuous batching), so the batch stays full while prompts wait; the block-level cache
-    steps its rows in lockstep and takes one batch (``max_rows`` >= the prompts). ``on_finish(k)`` is
-    called as k sequences finish. Bookkeeping lives in small CPU tensors; the backend sees one window
-    per step and syncs once per step (the accepted counts decide the next window).
+    ``tau`` ``[n]``, ``lossless`` ``[n]`` (rows decoded in lossless mode; default none), ``room`` the token
+    budget per prompt. At most ``max_rows`` rows decode at once (default: all). With the token-level
+    cache a row that finishes takes the next waiting prompt in the same step (continuous batching), so
+    the batch stays full while prompts wait; the block-level cache steps its rows in lockstep and takes
+    one batch (``max_rows`` >= the prompts). ``on_finish(k)`` is called as k sequences finish.
+    Bookkeeping lives in small CPU tensors; the backend sees one window per step and syncs once per step
+    (the accepted counts decide the next window).
     """
     count = len(prompts)
     b = count if max_rows is None else min(count, max_rows)
@@ -234,23 +260,24 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
     dev = torch.device(backend.device)
     put = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev, non_blocking=True))  # noqa: E731
     room_all = torch.tensor(list(room))
+    lossless = torch.zeros(count, dtype=torch.bool) if lossless is None else lossless
     total = max(len(p) + r for p, r in zip(prompts, room_all.tolist()))
-    # Every step's window is a plain gather from `seq`: beyond each row's length it holds mask tokens, far
-    # enough for any window (the widest reaches a cache block + 2B past the cached prefix); the last
-    # column takes the rejected slots.
+    # Every step's window is a plain gather from `seq`: beyond each row's length it holds a lossless
+    # row's pending drafts, then mask tokens, far enough for any window (the widest reaches a cache
+    # block + 2B past the cached prefix); the last column takes the rejected slots.
     trash = total + (b_cache or 0) + 2 * slots
     # At tau = 1 every row takes one token per step, so one-position blocks are exact and cheapest.
     block = None if b_cache is None else (b_cache if slots > 1 else 1)
     seq = torch.full((b, trash + 1), mask_id, dtype=torch.long)
     rows = torch.arange(b)  # prompt index of each live row
-    prompt_len, length, cached, room_left, forwards = (torch.zeros(b, dtype=torch.long) for _ in range(5))
+    prompt_len, length, cached, room_left, forwards, drafts = (torch.zeros(b, dtype=torch.long) for _ in range(6))
 
     def load(k: int, i: int, prefilled: bool) -> None:
         """Row k takes prompt i, whose cache holds all but its last token (``prefilled``) or nothing."""
         p = prompts[i]
         seq[k].fill_(mask_id)
         seq[k, : len(p)] = torch.tensor(list(p))
-        rows[k], prompt_len[k], length[k], room_left[k], forwards[k] = i, len(p), len(p), room_all[i], 0
+        rows[k], prompt_len[k], length[k], room_left[k], forwards[k], drafts[k] = i, len(p), len(p), room_all[i], 0, 0
         cached[k] = len(p) - 1 if prefilled else 0
 
     # Token level: the first window is the whole prompt (+ masks), so the prefill is also the first
@@ -259,41 +286,63 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
     for k in range(b):
         load(k, k, prefilled=block is not None)
     waiting = deque(range(b, count))
-    tau_d, greedy_d, stop_d = put(tau[rows]), put(tau[rows] >= 1.0), put(stop_ids)
-    slot = torch.arange(slots)
+    stop_d = put(stop_ids)
+    tau_d, greedy_d, lossless_d = put(tau[rows]), put(tau[rows] >= 1.0), put(lossless[rows])
     offsets = torch.arange(trash)
+    fresh_slot = torch.arange(slots - 1)
     out = _Rows([[] for _ in range(count)], [0] * count, [False] * count, 0)
     backend.start([list(prompts[i][:-1]) if block is not None else [] for i in range(b)])
     while rows.numel():
         u = length - cached  # real tokens not in the cache yet (>= 1)
+        need = u + drafts + slots - 1  # window entries a row reads up to: its real tokens, drafts, masks
         if block is None:
-            width, stepping, commit = int(u.max()) + slots - 1, None, u
-            # A row needs u + slots - 1 entries; past them (a refilled row's prompt widens the window)
-            # it repeats its last one: trailing entries change nothing and stay inside its positions.
-            index = cached[:, None] + torch.minimum(offsets[:width], (u + slots - 2)[:, None])
+            width, stepping = int(need.max()), None
+            # Past its need (a refilled row's prompt widens the window) a row repeats its last entry:
+            # trailing entries change nothing and stay inside its positions.
+            index = cached[:, None] + torch.minimum(offsets[:width], (need - 1)[:, None])
         else:
             # The block is committed once every row has it filled with real tokens (u >= C); until
             # then a row past the boundary waits. The window spans the block and every stepping row's slots.
             commit_now = bool((u >= block).all())
             stepping = torch.ones_like(u, dtype=torch.bool) if commit_now else u <= block
-            width = max(block, int(u[stepping].max()) + slots - 1)
-            commit = torch.full_like(u, block if commit_now else 0)
+            width = max(block, int(need[stepping].max()))
             index = cached[:, None] + offsets[:width]
-        read = (u - 1)[:, None] + slot
-        if stepping is not None:  # a waiting row reads nothing it uses; keep its reads inside the window
-            read = read.clamp(max=width - 1)
+        # A row reads its last real token, each draft (lossless) and each mask; past them it re-reads
+        # its last entry (unused), and a waiting row's reads stay inside the window.
+        read_slot = torch.arange(slots + int(drafts.max()))
+        read = torch.minimum((u - 1)[:, None] + read_slot, (need - 1)[:, None]).clamp(max=width - 1)
+        draft_ids = torch.where(read_slot[:-1] < drafts[:, None], seq.gather(1, (length[:, None] + read_slot[:-1])), -1)
         logits = backend.forward(put(seq.gather(1, index)), put(index), put(read))
-        step_room = room_left if stepping is None else torch.where(stepping, room_left, 0)
-        tokens, n, stopped = accept(logits, tau_d, greedy_d, stop_d, put(step_room))
+        # a tau row takes at most B slots, a lossless row its drafts + 1; a waiting row takes nothing
+        step_room = torch.minimum(room_left, torch.where(lossless[rows], drafts + 1, slots))
+        if stepping is not None:
+            step_room = torch.where(stepping, step_room, 0)
+        tokens, n, stopped = accept(logits, tau_d, greedy_d, stop_d, put(step_room), lossless_d, put(draft_ids))
         if dev.type != "cpu":
             tokens, n, stopped = tokens.cpu(), n.cpu(), stopped.cpu()
         out.model_calls += 1
+        if block is None:
+            # the real tokens of the window, and a lossless row's verified drafts (all it accepted but the last)
+            commit = u + torch.where(lossless[rows], (n - 1).clamp(min=0), 0)
+        else:
+            commit = torch.full_like(u, block if commit_now else 0)
         backend.commit(put(commit))
         cached += commit
-        seq.scatter_(1, torch.where(slot < n[:, None], length[:, None] + slot, trash), tokens)
+        seq.scatter_(1, torch.where(read_slot < n[:, None], length[:, None] + read_slot, trash), tokens)
+        # drafts past the accepted ones were wrong: back to masks (a waiting row, n = 0, keeps its own)
+        stale = (read_slot[:-1] >= n[:, None]) & (read_slot[:-1] < drafts[:, None]) & (n > 0)[:, None]
+        seq.scatter_(1, torch.where(stale, length[:, None] + read_slot[:-1], trash), mask_id)
         length += n
         room_left -= n
         forwards += 1 if stepping is None else stepping.long()
+        # All drafts verified: the mask slots' tokens are the next drafts (as many as the budget can use).
+        # After a wrong draft the next forward starts from the corrected token and fresh masks.
+        fresh = lossless[rows] & (n == drafts + 1) & ~stopped
+        new = torch.where(fresh, torch.minimum(room_left - 1, torch.tensor(slots - 1)), 0).clamp(min=0)
+        if slots > 1:
+            src = tokens.gather(1, (drafts[:, None] + 1 + fresh_slot).clamp(max=tokens.shape[1] - 1))
+            seq.scatter_(1, torch.where(fresh_slot < new[:, None], length[:, None] + fresh_slot, trash), src)
+        drafts = torch.where(n > 0, new, drafts)
         done = stopped | (room_left == 0)
         if not bool(done.any()):
             continue
@@ -314,42 +363,57 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
             keep = (~done).nonzero()[:, 0]
             if keep.numel():
                 backend.retain(put(keep))
-            rows, seq, length, cached, room_left, forwards, prompt_len = (
-                t[keep] for t in (rows, seq, length, cached, room_left, forwards, prompt_len))
-        tau_d, greedy_d = put(tau[rows]), put(tau[rows] >= 1.0)
+            rows, seq, length, cached, room_left, forwards, prompt_len, drafts = (
+                t[keep] for t in (rows, seq, length, cached, room_left, forwards, prompt_len, drafts))
+        tau_d, greedy_d, lossless_d = put(tau[rows]), put(tau[rows] >= 1.0), put(lossless[rows])
     return out
 
 
 @torch.inference_mode()
 def decode_no_cache(model, prompts: Sequence[Sequence[int]], *, slots: int, tau: torch.Tensor,
-                    room: Sequence[int], stop_ids: torch.Tensor, mask_id: int) -> _Rows:
-    """The reference loop: every step re-runs prompt + accepted tokens + masks with a plain causal mask."""
+                    room: Sequence[int], stop_ids: torch.Tensor, mask_id: int,
+                    lossless: torch.Tensor | None = None) -> _Rows:
+    """The reference loop: every step re-runs prompt + accepted tokens (+ a lossless row's drafts) + masks
+    with a plain causal mask."""
     seqs, room = [list(p) for p in prompts], list(room)
+    lossless = torch.zeros(len(prompts), dtype=torch.bool) if lossless is None else lossless
+    drafts: list[list[int]] = [[] for _ in prompts]
     out = _Rows([[] for _ in prompts], [0] * len(prompts), [False] * len(prompts), 0)
     live = list(range(len(prompts)))
     dev = model.device
     while live:
-        inputs = [seqs[i] + [mask_id] * (slots - 1) for i in live]
+        inputs = [seqs[i] + drafts[i] + [mask_id] * (slots - 1) for i in live]
         width = max(map(len, inputs))
+        reads = slots + max(len(drafts[i]) for i in live)
         ids = torch.zeros(len(live), width, dtype=torch.long)
         attn = torch.zeros(len(live), width, dtype=torch.long)
-        for k, x in enumerate(inputs):  # left padding, so every row's slots are its last `slots` positions
+        for k, x in enumerate(inputs):  # left padding, so every row's reads are its last positions
             ids[k, width - len(x):] = torch.tensor(x)
             attn[k, width - len(x):] = 1
         positions = (attn.cumsum(1) - 1).clamp(min=0)
         logits = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=positions.to(dev),
-                       logits_to_keep=slots).logits
+                       logits_to_keep=reads).logits
+        # row k's reads start at its last accepted token; past them it re-reads its last position (unused)
+        first = torch.tensor([reads - slots - len(drafts[i]) for i in live])
+        index = (first[:, None] + torch.arange(reads)).clamp(max=reads - 1)
+        logits = logits.gather(1, index.to(dev)[:, :, None].expand(-1, -1, logits.shape[-1]))
         live_t = torch.tensor(live)
+        draft_ids = torch.tensor([drafts[i] + [-1] * (reads - 1 - len(drafts[i])) for i in live], dtype=torch.long)
+        limit = [min(room[i], len(drafts[i]) + 1 if lossless[i] else slots) for i in live]
         tokens, n, stopped = accept(logits, tau[live_t].to(dev), (tau[live_t] >= 1.0).to(dev), stop_ids.to(dev),
-                                    torch.tensor([room[i] for i in live], device=dev))
+                                    torch.tensor(limit, device=dev), lossless[live_t].to(dev), draft_ids.to(dev))
         out.model_calls += 1
         for k, i in enumerate(live):
-            new = tokens[k, : int(n[k])].tolist()
+            row, taken = tokens[k].tolist(), int(n[k])
+            new = row[:taken]
             seqs[i] += new
             out.token_ids[i] += new
             out.forwards[i] += 1
             room[i] -= len(new)
             out.stopped[i] = bool(stopped[k])
+            verified = bool(lossless[i]) and taken == len(drafts[i]) + 1 and not out.stopped[i]
+            m = len(drafts[i])
+            drafts[i] = row[m + 1: m + 1 + max(0, min(slots - 1, room[i] - 1))] if verified else []
         live = [i for i in live if not out.stopped[i] and room[i] > 0]
     return out
 
@@ -418,11 +482,28 @@ def _taus(tau, count: int) -> list[float]:
     return [float(t) for t in taus]
 
 
-def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = None, tau: float | Sequence[float] = 0.9,
-             max_new_tokens: int = 256, batch_size: int = 8, use_cache: bool = True, b_cache: int | None = None,
-             stop_token_ids: Iterable[int] = (), backend: DecodeBackend | None = None,
-             progress: bool = False) -> Generations:
+def _modes(mode, count: int) -> list[str]:
+    modes = [mode] * count if isinstance(mode, str) else list(mode)
+    if len(modes) != count:
+        raise MarsError(f"mode: got {len(modes)} values for {count} prompts (give one mode, or one per prompt)")
+    for i, m in enumerate(modes):
+        if m not in MODES:
+            raise MarsError(f"mode{'' if len(set(map(str, modes))) == 1 else f'[{i}]'}: must be one of "
+                            f"{', '.join(MODES)}, got {m!r}")
+    return modes
+
+
+def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = None,
+             tau: float | Sequence[float] = DecodeConfig.tau, mode: str | Sequence[str] = DecodeConfig.mode,
+             max_new_tokens: int = DecodeConfig.max_new_tokens, batch_size: int = DecodeConfig.batch_size,
+             use_cache: bool = True, b_cache: int | None = None, stop_token_ids: Iterable[int] = (),
+             backend: DecodeBackend | None = None, progress: bool = False) -> Generations:
     """Decode ``prompts`` with MARS: block size B, threshold ``tau`` (one float, or one per prompt).
+
+    ``mode`` (one, or one per prompt, mixed freely with per-prompt tau in one batch): ``"tau"`` accepts
+    mask slots on confidence (the paper's rule, lossy below tau = 1); ``"lossless"`` ignores tau and
+    takes the mask slots' tokens as drafts that the next forward verifies, so the output is greedy AR
+    token for token at up to B tokens per forward (see the module docstring).
 
     ``model`` is a transformers causal LM (or, with ``backend``, anything with the checkpoint's
     ``config``); ``block_size`` defaults to the checkpoint's ``config.mars.block_size``. Returns one
@@ -436,15 +517,16 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
     started = time.perf_counter()
     config = getattr(model, "config", model)
     taus = _taus(tau, len(prompts))
+    modes = _modes(mode, len(prompts))
     if max_new_tokens < 1:
         raise MarsError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
     if batch_size < 1:
         raise MarsError(f"batch_size: must be >= 1, got {batch_size}")
     if block_size is None:
-        block_size = (getattr(config, "mars", None) or {}).get("block_size")
+        block_size = CheckpointInfo.block_size_of(config)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
         raise MarsError(f"block_size: must be an integer >= 1, got {block_size!r}")
-    needs_masks = any(t < 1.0 for t in taus)
+    needs_masks = any(t < 1.0 or m == "lossless" for t, m in zip(taus, modes))
     if block_size is None:
         if needs_masks:
             raise MarsError("block_size: not given and the checkpoint has no config.mars.block_size")
@@ -483,8 +565,10 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
     for group in groups:
         prompts_g = [encoded[i] for i in group]
         tau_g = torch.tensor([taus[i] for i in group])
-        slots = block_size if bool((tau_g < 1.0).any()) else 1
-        kwargs = dict(slots=slots, tau=tau_g, room=[rooms[i] for i in group], stop_ids=stops, mask_id=mask_id)
+        lossless_g = torch.tensor([modes[i] == "lossless" for i in group])
+        slots = block_size if bool((tau_g < 1.0).any() or lossless_g.any()) else 1
+        kwargs = dict(slots=slots, tau=tau_g, lossless=lossless_g, room=[rooms[i] for i in group], stop_ids=stops,
+                      mask_id=mask_id)
         if use_cache:
             rows = decode_cached(backend, prompts_g, b_cache=b_cache, max_rows=batch_size if continuous else None,
                                  on_finish=bar.update if bar is not None else None, **kwargs)
@@ -497,7 +581,7 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
             ids = rows.token_ids[k]
             text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
             results[i] = GenerationResult(encoded[i], ids, text, rows.forwards[k], taus[i], block_size,
-                                          "stop" if rows.stopped[k] else "length")
+                                          "stop" if rows.stopped[k] else "length", modes[i])
     if bar is not None:
         bar.close()
     return Generations(results, calls, time.perf_counter() - started)
