@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import subprocess
 import threading
 import uuid
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 from mars.evaluation import sandbox
 from mars.evaluation.sandbox import SandboxLimits, humaneval_program, run_many, run_python
 
+REPO = Path(__file__).resolve().parents[1]
 FAST = SandboxLimits(timeout_s=3.0, memory_mb=256, max_processes=8)
 PROBLEM = {
     "prompt": "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n",
@@ -91,13 +94,11 @@ def test_writes_outside_the_working_directory_are_refused(tmp_path, where):
     assert not target.exists()
 
 
-def test_files_written_past_the_guard_are_swept_from_the_temp_dirs():
-    if not sandbox.isolation().dedicated_uid:
-        pytest.skip("no dedicated uid here: files cannot be told apart by owner")
+def test_files_written_past_the_guard_land_in_the_runs_private_tmp():
     target = Path("/tmp") / f"mars-escape-{uuid.uuid4().hex}"
     result = run_python(f"open({str(target)!r}, 'w').write('x')\n", SandboxLimits(timeout_s=3.0, guard=False))
-    assert result.passed  # the OS allowed it (world-writable dir) ...
-    assert not target.exists()  # ... and the sweep removed it
+    assert result.passed  # the OS allowed it (its own /tmp) ...
+    assert not target.exists()  # ... which is not the machine's
 
 
 def test_writes_inside_the_working_directory_are_allowed():
@@ -132,8 +133,6 @@ def listener():
 
 @pytest.mark.parametrize("guard", [True, False])
 def test_no_network(listener, guard):
-    if not guard and not sandbox.isolation().network_namespace:
-        pytest.skip("no network namespace here: only the guard blocks sockets")
     port, accepted = listener
     code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'hi')\n"
     result = run_python(code, SandboxLimits(timeout_s=5.0, guard=guard))
@@ -144,3 +143,98 @@ def test_no_network(listener, guard):
 def test_limits_are_validated():
     with pytest.raises(ValueError, match="timeout_s"):
         SandboxLimits(timeout_s=0)
+
+
+# ---- attacks on the machine's secrets (issue 16): the program must not read anything outside its run
+@pytest.fixture
+def secret_file():
+    """A credentials file in the home directory of the user running the evaluation."""
+    path = Path.home() / f".mars-sandbox-probe-{uuid.uuid4().hex}" / "credentials"
+    path.parent.mkdir(mode=0o700)
+    path.write_text("[default]\naws_secret_access_key = probe-secret-value\n")
+    path.chmod(0o600)
+    yield path
+    path.unlink()
+    path.parent.rmdir()
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_system_files_are_not_readable(guard):
+    code = "print(open('/etc/shadow').read())\n" if Path("/etc/shadow").exists() else "print(open('/etc/passwd').read())\n"
+    result = run_python(code, SandboxLimits(timeout_s=5.0, guard=guard))
+    assert not result.passed and "root:" not in result.stdout
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_files_under_the_home_directory_are_not_readable_or_listable(secret_file, guard):
+    code = (f"import os\nprint(sorted(os.listdir({str(secret_file.parent.parent)!r})))\n"
+            f"print(open({str(secret_file)!r}).read())\n")
+    result = run_python(code, SandboxLimits(timeout_s=5.0, guard=guard))
+    assert not result.passed and "probe-secret-value" not in result.stdout
+    assert secret_file.parent.name not in result.stdout
+
+
+def test_the_evaluators_environment_is_not_visible(monkeypatch):
+    monkeypatch.setenv("MARS_PROBE_TOKEN", "probe-env-secret")
+    code = ("import os\nprint(dict(os.environ))\n"
+            "for pid in ('self', str(os.getppid()), '1'):\n"
+            "    try:\n        print(open(f'/proc/{pid}/environ', 'rb').read())\n"
+            "    except OSError as err:\n        print('no', pid, err)\n")
+    result = run_python(code, SandboxLimits(timeout_s=5.0, guard=False))
+    assert result.passed and "probe-env-secret" not in result.stdout and "MARS_PROBE_TOKEN" not in result.stdout
+
+
+def test_no_capability_is_left_and_root_cannot_be_regained():
+    code = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+class Header(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+data = (ctypes.c_uint32 * 6)()
+assert libc.capget(ctypes.byref(Header(0x20080522, 0)), data) == 0
+print("caps", list(data))
+print("bounding", [c for c in range(41) if libc.prctl(23, c, 0, 0, 0) == 1])
+try:
+    os.setuid(0)
+    print("setuid worked")
+except PermissionError:
+    print("setuid refused")
+"""
+    result = run_python(code, SandboxLimits(timeout_s=5.0, guard=False))
+    assert result.passed, result.stderr
+    assert "caps [0, 0, 0, 0, 0, 0]" in result.stdout and "bounding []" in result.stdout
+    assert "setuid refused" in result.stdout or os.geteuid() != 0
+
+
+def test_stored_output_is_scrubbed_of_credentials_and_truncated():
+    code = ("import sys\nsys.stderr.write('AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY\\n'\n"
+            "  'key id AKIAIOSFODNN7EXAMPLE, token ghp_abcdefghijklmnopqrstuvwxyz0123456789\\n'\n"
+            "  '-----BEGIN RSA PRIVATE KEY-----\\nMIIEowIBAAKCAQEA\\n-----END RSA PRIVATE KEY-----\\n')\n"
+            "sys.stderr.write('x' * 100000)\nraise SystemExit(1)\n")
+    result = run_python(code, SandboxLimits(timeout_s=5.0, guard=False))
+    for secret in ("wJalrXUtnFEMI", "AKIAIOSFODNN7EXAMPLE", "ghp_abcdef", "MIIEowIBAAKCAQEA"):
+        assert secret not in result.stderr
+    assert "AWS_SECRET_ACCESS_KEY=[REDACTED]" in result.stderr and len(result.stderr) < 5000
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists() or not shutil.which("setpriv"),
+                    reason="needs root (to become another user) and a system python3")
+def test_an_unprivileged_user_gets_the_same_isolation():
+    """Without root the namespaces come from a user namespace: the same private view, so neither the
+    machine's files nor the evaluator's environment (same uid: /proc/PID/environ) are readable."""
+    program = ("import os\nprint(sorted(os.listdir('/')))\n"
+               "for path in (f'/proc/{os.getppid()}/environ', '/etc/passwd'):\n"
+               "    try:\n        print(open(path, 'rb').read())\n"
+               "    except OSError as err:\n        print('refused', path, type(err).__name__)\n")
+    probe = ("import sys\nfrom mars.evaluation.sandbox import SandboxLimits, isolation, run_python\n"
+             "iso = isolation()\nprint('isolation', iso.private_root, iso.dedicated_uid, iso.reason)\n"
+             "r = run_python(sys.argv[1], SandboxLimits(timeout_s=10, guard=False))\n"
+             "print('program', r.status, r.stdout, r.stderr[-300:])\n")
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                           "-c", probe, program], capture_output=True, text=True, timeout=120, cwd="/",
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/nonexistent",
+                               "MARS_PROBE_TOKEN": "probe-env-secret"})
+    assert proc.returncode == 0, proc.stderr
+    assert "isolation True False" in proc.stdout, proc.stdout
+    assert "program passed" in proc.stdout and "refused /etc/passwd" in proc.stdout
+    assert "probe-env-secret" not in proc.stdout and "root:" not in proc.stdout

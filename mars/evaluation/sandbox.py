@@ -3,21 +3,28 @@
 Every program runs in a fresh process, in its own session, inside a temporary working directory, with
 these layers (each one alone stops some attacks; together they contain the usual ones):
 
+- a private filesystem view (mount namespace + pivot_root): the program sees its working directory
+  (read-write), the interpreter's own files and the system libraries (read-only), an empty private
+  /tmp and /dev with null/zero/random only; no /etc (but the loader cache), no /home or /root, no
+  /proc, so neither other files nor other processes' environments are reachable, whatever the
+  permissions on them; and a private network namespace (no interface but a down loopback);
+- no capabilities at all: as root each run gets a dedicated, random uid (processes, files and the
+  RLIMIT_NPROC budget are counted against it; root itself is exempt from RLIMIT_NPROC, so a fork bomb
+  run as root would not be bounded), the bounding set is emptied and ``no_new_privs`` is set; when
+  the run is over every process of that uid is killed, even those that left the session. Without
+  root the namespaces come from a user namespace mapping only our own uid;
 - resource limits (setrlimit): address space, CPU seconds, process count, file size, open files, no
   core dumps; and a wall-clock timeout after which the whole process group is killed;
-- when we are root: a dedicated, random uid per run (processes, files and the RLIMIT_NPROC budget
-  are all counted against it; root itself is exempt from RLIMIT_NPROC, so a fork bomb run as root
-  would not be bounded). It keeps one capability, CAP_DAC_READ_SEARCH, so that it can read the
-  interpreter under a private home directory, but it can write only where "other" may: its own
-  working directory and the world-writable temp dirs, which are swept for its files afterwards;
-  when the run is over every process of that uid is killed, even those that left the session;
-- a private network namespace (no interface but a down loopback) when the kernel allows it;
+- a minimal environment (nothing of ours is inherited) and output that is truncated and scrubbed of
+  anything that looks like a credential (:func:`mars.core.redact.redact_secrets`) before it is kept;
 - a Python guard installed before the program runs: writes outside the working directory, process
   creation, signals, sockets and ``ctypes`` raise ``PermissionError``/``ImportError``; ``sys.exit``
   from the program counts as a failure (a completion that exits 0 before the tests must not pass).
 
 The guard alone is not a security boundary (Python code can always find a way around it); the OS
-layers are what bound a determined program. :func:`isolation` says which layers this machine gives.
+layers are what bound a determined program. Where the kernel refuses the namespaces (no root and no
+unprivileged user namespaces), :func:`run_python` refuses to run anything (:class:`SandboxUnavailable`)
+rather than run it with read access to the machine. :func:`isolation` says what this machine gives.
 """
 
 from __future__ import annotations
@@ -27,10 +34,10 @@ import ctypes.util
 import dataclasses
 import json
 import os
+import platform
 import secrets
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -38,21 +45,40 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mars.errors import ConfigError
+from mars.core.redact import redact_secrets
+from mars.errors import ConfigError, MarsError
 
 # Linux constants (uapi headers); ctypes has no names for them.
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWIPC = 0x08000000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
+_MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME = 1024, 2048, 1 << 21
+_MNT_DETACH = 2
 _PR_SET_PDEATHSIG = 1
-_PR_SET_KEEPCAPS = 8
-_PR_CAP_AMBIENT = 47
-_PR_CAP_AMBIENT_RAISE = 2
-_CAP_DAC_READ_SEARCH = 2
+_PR_CAPBSET_DROP = 24
+_PR_SET_NO_NEW_PRIVS = 38
 _CAP_VERSION_3 = 0x20080522
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+# statvfs flag -> mount flag: a read-only bind remount must keep the source mount's locked flags.
+_ST_TO_MS = {os.ST_RDONLY: _MS_RDONLY, os.ST_NOSUID: _MS_NOSUID, os.ST_NODEV: _MS_NODEV, os.ST_NOEXEC: _MS_NOEXEC,
+             os.ST_NOATIME: _MS_NOATIME, os.ST_NODIRATIME: _MS_NODIRATIME, os.ST_RELATIME: _MS_RELATIME}
 # Unprivileged uids far above any real account, one per run so runs never share a process budget.
 _UID_LOW, _UID_HIGH = 1_500_000_000, 2_000_000_000
-_WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+# What the private root shows read-only besides the interpreter's prefixes: the shared libraries (and the
+# loader's cache of where they are), those that exist here.
+_SYSTEM_PATHS = ("/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32", "/lib", "/lib32", "/lib64", "/libx32",
+                 "/etc/ld.so.cache")
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+SANDBOX_DIR = "/sandbox"  # where the run directory appears inside the private root (cwd and HOME)
+_NOT_ISOLATED = 125  # launcher exit status when a layer could not be set up (nothing ran)
 _OUTPUT_LIMIT = 4096
+
+
+class SandboxUnavailable(MarsError):
+    """This machine cannot isolate generated code; nothing is run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,19 +213,87 @@ except SystemExit as exc:
 
 
 
+
+# ---- the OS layers (run in the launcher process, between fork and exec) -------------------------------
 def _libc():
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
-def _unshare_network(as_root: bool) -> bool:
-    """Enter a private network namespace (as root directly; otherwise inside a user namespace)."""
-    libc = _libc()
-    flags = _CLONE_NEWNET if as_root else (_CLONE_NEWUSER | _CLONE_NEWNET)
-    return libc.unshare(flags) == 0
+def _ok(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _drop_to_uid(uid: int) -> None:
-    """setuid to ``uid`` keeping only CAP_DAC_READ_SEARCH (as an ambient capability, so it survives exec)."""
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    _ok(_libc().mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+
+
+def _bind(source: str, target: str, readonly: bool) -> None:
+    _mount(source, target, None, _MS_BIND | _MS_REC)
+    if readonly:  # a bind mount takes ro only on remount, which must repeat the source's locked flags
+        kept = os.statvfs(source).f_flag
+        flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
+        flags |= sum(ms for st, ms in _ST_TO_MS.items() if kept & st)
+        _mount(None, target, None, flags)
+
+
+def _mount_point(path: str, directory: bool) -> None:
+    if directory:
+        os.makedirs(path, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "a").close()
+
+
+def _enter_namespaces(as_root: bool) -> None:
+    """Private mount, network and IPC namespaces: as root directly, otherwise inside a user namespace
+    that maps only our own uid and gid."""
+    uid, gid = os.getuid(), os.getgid()
+    flags = _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | (0 if as_root else _CLONE_NEWUSER)
+    _ok(_libc().unshare(flags), "unshare")
+    if not as_root:
+        Path("/proc/self/setgroups").write_text("deny")
+        Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
+        Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+
+
+def _private_root(new_root: str, workdir: str, readonly: list[str], tmp_mb: int) -> None:
+    """Make ``new_root`` (an empty directory) the root: ``readonly`` paths at their own place,
+    ``workdir`` at ``SANDBOX_DIR`` (read-write), a private /tmp and /dev; the old root detached."""
+    _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing mounted here propagates to the host
+    _mount("tmpfs", new_root, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=1m")
+    for path in readonly:
+        inside = new_root + path
+        if os.path.islink(path):  # merged /usr: /lib -> usr/lib stays a link
+            os.makedirs(os.path.dirname(inside), exist_ok=True)
+            os.symlink(os.readlink(path), inside)
+            continue
+        _mount_point(inside, os.path.isdir(path))
+        _bind(path, inside, readonly=True)
+    _mount_point(new_root + SANDBOX_DIR, True)
+    _bind(workdir, new_root + SANDBOX_DIR, readonly=False)
+    _mount_point(new_root + "/tmp", True)
+    _mount("tmpfs", new_root + "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=1777,size={tmp_mb}m")
+    for name in _DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            _mount_point(f"{new_root}/dev/{name}", False)
+            _bind(f"/dev/{name}", f"{new_root}/dev/{name}", readonly=False)
+    os.mkdir(new_root + "/.old")
+    machine = platform.machine()
+    if machine not in _SYS_PIVOT_ROOT:
+        raise OSError(0, f"pivot_root: unknown syscall number on {machine}")
+    _ok(_libc().syscall(_SYS_PIVOT_ROOT[machine], new_root.encode(), (new_root + "/.old").encode()), "pivot_root")
+    os.chdir("/")
+    _ok(_libc().umount2(b"/.old", _MNT_DETACH), "umount old root")
+    os.rmdir("/.old")
+    _mount(None, "/", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+
+
+def _drop_privileges(uid: int | None, last_cap: int) -> None:
+    """No capability left, none to regain: bounding set emptied, then (as root) a dedicated uid, which
+    clears the rest (no PR_SET_KEEPCAPS), or (in a user namespace) an empty capset; no_new_privs."""
 
     class Header(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
@@ -209,17 +303,14 @@ def _drop_to_uid(uid: int) -> None:
                     ("inheritable", ctypes.c_uint32)]
 
     libc = _libc()
-    if libc.prctl(_PR_SET_KEEPCAPS, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_KEEPCAPS)")
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
-    keep = 1 << _CAP_DAC_READ_SEARCH
-    data = (Data * 2)(Data(keep, keep, keep), Data(0, 0, 0))
-    if libc.capset(ctypes.byref(Header(_CAP_VERSION_3, 0)), data) != 0:
-        raise OSError(ctypes.get_errno(), "capset")
-    if libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, _CAP_DAC_READ_SEARCH, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_CAP_AMBIENT_RAISE)")
+    for cap in range(last_cap + 1):
+        _ok(libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0), f"prctl(PR_CAPBSET_DROP, {cap})")
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    _ok(libc.capset(ctypes.byref(Header(_CAP_VERSION_3, 0)), (Data * 2)()), "capset")
+    _ok(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
 
 
 def _user_process_count(uid: int) -> int:
@@ -227,19 +318,29 @@ def _user_process_count(uid: int) -> int:
 
 
 def _launch_main() -> None:
-    """Entry point of the launcher process (``python -c``): limits, namespaces, uid, then exec."""
+    """Entry point of the launcher process (``python -c``): limits, namespaces, no privileges, then exec.
+
+    A layer that cannot be set up ends the launcher with status ``_NOT_ISOLATED`` and the reason on
+    stderr, before any of the program runs.
+    """
     import resource
 
     spec = json.loads(sys.argv[1])
-    as_root = os.geteuid() == 0
     uid = spec["uid"]
-    mem = spec["memory_mb"] * 1024 * 1024
-    cpu = int(spec["timeout_s"]) + 1
-    # Without a dedicated uid the NPROC budget is shared with the user's other processes.
-    nproc = spec["max_processes"] + (0 if uid is not None else _user_process_count(os.getuid()))
+    try:
+        last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+        # Without a dedicated uid the NPROC budget is shared with the user's other processes.
+        nproc = spec["max_processes"] + (0 if uid is not None else _user_process_count(os.getuid()))
+        _enter_namespaces(as_root=os.geteuid() == 0)
+        _private_root(spec["root"], spec["workdir"], spec["readonly"], spec["max_file_mb"])
+        _drop_privileges(uid, last_cap)
+    except OSError as err:
+        sys.stderr.write(f"sandbox: cannot isolate the program: {err}\n")
+        sys.stderr.flush()
+        os._exit(_NOT_ISOLATED)
     limits = {
-        resource.RLIMIT_AS: mem,
-        resource.RLIMIT_CPU: cpu,
+        resource.RLIMIT_AS: spec["memory_mb"] * 1024 * 1024,
+        resource.RLIMIT_CPU: int(spec["timeout_s"]) + 1,
         resource.RLIMIT_NPROC: nproc,
         resource.RLIMIT_FSIZE: spec["max_file_mb"] * 1024 * 1024,
         resource.RLIMIT_NOFILE: spec["max_open_files"],
@@ -251,15 +352,23 @@ def _launch_main() -> None:
         # CPU: SIGXCPU at the soft limit, SIGKILL one second later at the hard one.
         new_hard = soft + 1 if which == resource.RLIMIT_CPU else soft
         resource.setrlimit(which, (soft, new_hard if hard == resource.RLIM_INFINITY else min(new_hard, hard)))
-    if spec["network_namespace"]:
-        _unshare_network(as_root)
-    if uid is not None:
-        _drop_to_uid(uid)
-    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    env = {"PATH": "/usr/bin:/bin", "HOME": spec["workdir"], "TMPDIR": spec["workdir"], "LANG": "C.UTF-8",
+    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after the uid change, which clears it
+    env = {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
            "PYTHONHASHSEED": "0", "MARS_SANDBOX_GUARD": "1" if spec["guard"] else "0"}
-    os.chdir(spec["workdir"])
-    os.execve(sys.executable, [sys.executable, "-I", "-B", "runner.py"], env)
+    os.chdir(SANDBOX_DIR)
+    os.execve(spec["python"], [spec["python"], "-I", "-B", "runner.py"], env)
+
+
+def _readonly_paths() -> list[str]:
+    """The system libraries and this interpreter's prefixes (venv and base), outermost paths only."""
+    paths = [p for p in _SYSTEM_PATHS if os.path.lexists(p)]
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+    prefixes.add(os.path.dirname(os.path.realpath(sys.executable)))
+    for prefix in sorted(prefixes):
+        covered = any(prefix == p or prefix.startswith(p.rstrip("/") + "/") for p in paths if not os.path.islink(p))
+        if prefix != "/" and not covered:
+            paths.append(prefix)
+    return paths
 
 
 def _pids_of_uid(uid: int):
@@ -291,45 +400,29 @@ def _kill_uid(uid: int) -> None:
         time.sleep(0.01)
 
 
-def _sweep_files(uid: int) -> None:
-    """Remove whatever ``uid`` created in the world-writable temp dirs (a guard-free program can write there)."""
-
-    def walk(directory: str, depth: int) -> None:
-        try:
-            entries = list(os.scandir(directory))
-        except OSError:
-            return
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if st.st_uid == uid:
-                if stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    try:
-                        os.unlink(entry.path)
-                    except OSError:
-                        pass
-            elif stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH and depth < 3:
-                walk(entry.path, depth + 1)
-
-    for root in _WORLD_WRITABLE:
-        walk(root, 0)
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
+# ---- running programs -------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Isolation:
+    """What this machine gives: a private root (and network) and, as root, a dedicated uid per run."""
+
+    private_root: bool
     dedicated_uid: bool
-    network_namespace: bool
+    reason: str = ""  # why there is no private root
 
     def describe(self) -> str:
-        parts = ["rlimits", "process-group kill", "python guard"]
+        if not self.private_root:
+            return f"none ({self.reason})"
+        parts = ["private root", "network namespace", "no capabilities", "rlimits", "process-group kill",
+                 "python guard"]
         if self.dedicated_uid:
-            parts.insert(1, "dedicated uid")
-        if self.network_namespace:
-            parts.insert(1, "network namespace")
+            parts.insert(2, "dedicated uid")
         return ", ".join(parts)
 
 
@@ -337,52 +430,58 @@ _ISOLATION: Isolation | None = None
 
 
 def isolation() -> Isolation:
-    """Which OS layers this machine gives (probed once, in a throwaway process)."""
+    """Which layers this machine gives, probed once by running a trivial program with all of them."""
     global _ISOLATION
     if _ISOLATION is None:
-        probe = (
-            "import os, sys\n"
-            "from mars.evaluation.sandbox import _unshare_network, _drop_to_uid\n"
-            "net = int(_unshare_network(os.geteuid() == 0))\n"
-            "if os.geteuid() == 0:\n"
-            "    try:\n"
-            f"        _drop_to_uid({_UID_LOW})\n"
-            "        os.execv(sys.executable, [sys.executable, '-c', 'import sys; print(sys.argv[1], 1)', str(net)])\n"
-            "    except OSError:\n"
-            "        pass\n"
-            "print(net, 0)\n"
-        )
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout.split()
-        net, uid = (out + ["0", "0"])[:2]
-        _ISOLATION = Isolation(dedicated_uid=uid == "1", network_namespace=net == "1")
+        as_root = os.geteuid() == 0
+        probe = _run("print('isolated')", SandboxLimits(timeout_s=60), dedicated_uid=as_root)
+        ok = probe.passed and probe.stdout.strip() == "isolated"
+        reason = "" if ok else ((probe.stderr.strip().splitlines() or [probe.status])[-1])
+        _ISOLATION = Isolation(private_root=ok, dedicated_uid=as_root and ok, reason=reason)
     return _ISOLATION
 
 
-def _truncate(data: bytes) -> str:
-    text = data.decode("utf-8", "replace")
+def _kept(data: bytes) -> str:
+    """Program output as it may be stored: scrubbed of credentials, then cut to ``_OUTPUT_LIMIT``."""
+    text = redact_secrets(data[: 4 * _OUTPUT_LIMIT].decode("utf-8", "replace"))
     return text if len(text) <= _OUTPUT_LIMIT else text[:_OUTPUT_LIMIT] + "\n...[truncated]"
 
 
 def run_python(source: str, limits: SandboxLimits = SandboxLimits()) -> ExecResult:
-    """Run ``source`` as a Python program in the sandbox; passed == exit status 0 within the time limit."""
+    """Run ``source`` as a Python program in the sandbox; passed == exit status 0 within the time limit.
+
+    Raises :class:`SandboxUnavailable` where the program cannot be isolated (see :func:`isolation`).
+    """
     iso = isolation()
-    uid = secrets.randbelow(_UID_HIGH - _UID_LOW) + _UID_LOW if iso.dedicated_uid else None
-    workdir = Path(tempfile.mkdtemp(prefix="mars-sandbox-"))
+    if not iso.private_root:
+        raise SandboxUnavailable(f"generated code cannot be isolated on this machine ({iso.reason}); refusing to "
+                                 "run it with read access to the machine's files (needs root or unprivileged "
+                                 "user namespaces: sysctl kernel.unprivileged_userns_clone=1 / "
+                                 "user.max_user_namespaces > 0)")
+    return _run(source, limits, dedicated_uid=iso.dedicated_uid)
+
+
+def _run(source: str, limits: SandboxLimits, dedicated_uid: bool) -> ExecResult:
+    uid = secrets.randbelow(_UID_HIGH - _UID_LOW) + _UID_LOW if dedicated_uid else None
+    base = Path(tempfile.mkdtemp(prefix="mars-sandbox-"))
+    workdir, root = base / "work", base / "root"
     start = time.perf_counter()
     try:
+        workdir.mkdir()
+        root.mkdir()
         (workdir / "program.py").write_text(source, encoding="utf-8")
         (workdir / "runner.py").write_text(_RUNNER, encoding="utf-8")
         if uid is not None:
-            os.chown(workdir, uid, uid)
-            for name in ("program.py", "runner.py"):
-                os.chown(workdir / name, uid, uid)
-        spec = {"uid": uid, "workdir": str(workdir), "network_namespace": iso.network_namespace,
-                "guard": limits.guard, **{k: v for k, v in dataclasses.asdict(limits).items() if k != "guard"}}
+            for path in (workdir, workdir / "program.py", workdir / "runner.py"):
+                os.chown(path, uid, uid)
+        spec = {"uid": uid, "workdir": str(workdir), "root": str(root), "readonly": _readonly_paths(),
+                "python": sys.executable, "guard": limits.guard,
+                **{k: v for k, v in dataclasses.asdict(limits).items() if k != "guard"}}
         launcher = "from mars.evaluation.sandbox import _launch_main; _launch_main()"
         proc = subprocess.Popen(
             [sys.executable, "-c", launcher, json.dumps(spec)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, cwd=workdir,
+            start_new_session=True, cwd=workdir, env=_launcher_env(),
         )
         timed_out = False
         try:
@@ -396,22 +495,22 @@ def run_python(source: str, limits: SandboxLimits = SandboxLimits()) -> ExecResu
         _kill_group(proc.pid)  # children left behind by a program that exited
         if uid is not None:
             _kill_uid(uid)
-            _sweep_files(uid)
         seconds = time.perf_counter() - start
         if timed_out:
-            return ExecResult(False, "timeout", None, seconds, _truncate(stdout), _truncate(stderr))
+            return ExecResult(False, "timeout", None, seconds, _kept(stdout), _kept(stderr))
         passed = proc.returncode == 0
         return ExecResult(passed, "passed" if passed else "failed", proc.returncode, seconds,
-                          _truncate(stdout), _truncate(stderr))
+                          _kept(stdout), _kept(stderr))
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
 
 
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _launcher_env() -> dict[str, str]:
+    """What the launcher needs to import this module; none of our other variables (secrets) go along."""
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = package_root
+    return env
 
 
 def humaneval_program(problem: dict, completion: str) -> str:
