@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from mars.core.checkpoint_info import CheckpointInfoError
 from mars.core.digest import sha256_file
 from mars.decoding.onnx_backend import EngineError, ExportedBlock, read_manifest, window_mask
 from mars.errors import ConfigError, MarsError
@@ -241,7 +242,7 @@ def test_engine_refuses_what_its_graph_cannot_hold(exported):
 
 def test_not_a_mars_checkpoint(tmp_path):
     plain = make_mars_checkpoint(tmp_path / "plain", mars=False)
-    with pytest.raises(ExportError, match="not a MARS checkpoint"):
+    with pytest.raises(CheckpointInfoError, match="not a MARS checkpoint"):
         export_checkpoint(plain, tmp_path / "out", ExportConfig(**CFG))
     assert not (tmp_path / "out").exists()
 

@@ -90,9 +90,12 @@ def _grow_embeddings(model, rows: int) -> None:
 
 def mask_token_id(model_or_config, tokenizer=None) -> int:
     """The mask token id a checkpoint was trained with; a clear error if it has none."""
+    from mars.core.checkpoint_info import CheckpointInfo
+
     config = getattr(model_or_config, "config", model_or_config)
-    mars_section = getattr(config, "mars", None) or {}
-    token_id = mars_section.get("mask_token_id", getattr(config, "mask_token_id", None))
+    info = CheckpointInfo.from_config(config)
+    # a base model (`mars base`) records only config.mask_token_id: it has no training to describe yet
+    token_id = info.mask_token_id if info is not None else getattr(config, "mask_token_id", None)
     if token_id is None and tokenizer is not None and MASK_TOKEN in tokenizer.get_vocab():
         token_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
     if token_id is None:

@@ -73,10 +73,7 @@ mars.release.export) can serve it. All arguments are torch tensors; ids/position
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -101,7 +98,7 @@ class DecodeConfig:
     block_size: int | None = None  # None: the checkpoint's config.mars.block_size
     tau: float = 0.9
     mode: Literal["tau", "lossless"] = "tau"  # lossless: greedy output, mask slots as verified drafts
-    max_new_tokens: int = 256
+    max_new_tokens: int = 128
     batch_size: int = 8
     b_cache: int | None = None  # None: token-level cache; C >= B: block-level cache of C positions
     use_cache: bool = True
@@ -585,72 +582,3 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
     if bar is not None:
         bar.close()
     return Generations(results, calls, time.perf_counter() - started)
-
-
-# --------------------------------------------------------------------------------------------- CLI
-
-
-def load_decode_config(args: argparse.Namespace) -> DecodeConfig:
-    """The ``decode:`` section (dataclass defaults when the default params.yaml is absent)."""
-    from pathlib import Path
-
-    from mars.config import DEFAULT_PARAMS, params_from_args, section
-
-    if args.params == str(DEFAULT_PARAMS) and not Path(args.params).is_file() and not args.overrides:
-        return DecodeConfig()
-    return section(params_from_args(args), "decode", DecodeConfig)
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, "
-                                                      "bfloat16 on CUDA)")
-
-
-def load_for_decoding(source: str, args: argparse.Namespace):
-    from mars.core.models import load_model
-
-    dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
-    return load_model(source, dtype=dtype, device=args.device)
-
-
-def cli(argv: list[str], verb: str = "generate") -> int:
-    from mars.config import add_params_arguments
-
-    parser = argparse.ArgumentParser(
-        prog=f"mars {verb}", description="Decode prompts with a MARS checkpoint (defaults: params.yaml decode:).")
-    parser.add_argument("--model", required=True, help="checkpoint directory (or 'smollm2', or a hub id)")
-    parser.add_argument("--block-size", type=int, help="B (default: decode.block_size, else config.mars.block_size)")
-    parser.add_argument("--tau", type=float, help="accept threshold in (0, 1]; 1.0 = greedy AR")
-    parser.add_argument("--max-new-tokens", type=int)
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--b-cache", type=int, help="block-level cache of this many positions (default: token level)")
-    parser.add_argument("--no-cache", action="store_true", help="run the no-cache reference loop")
-    parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
-    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text ('-' reads one prompt per line "
-                                                                      "from stdin)")
-    add_model_arguments(parser)
-    add_params_arguments(parser)
-    args = parser.parse_args(argv)
-    cfg = load_decode_config(args)
-    prompts = [line for p in args.prompts for line in (sys.stdin.read().splitlines() if p == "-" else [p])]
-    model, tokenizer = load_for_decoding(args.model, args)
-    pick = lambda value, default: default if value is None else value  # noqa: E731
-    results = generate(
-        model, tokenizer, prompts,
-        block_size=pick(args.block_size, cfg.block_size), tau=pick(args.tau, cfg.tau),
-        max_new_tokens=pick(args.max_new_tokens, cfg.max_new_tokens),
-        batch_size=pick(args.batch_size, cfg.batch_size), b_cache=pick(args.b_cache, cfg.b_cache),
-        use_cache=cfg.use_cache and not args.no_cache, progress=not args.json and len(prompts) > 1,
-    )
-    for prompt, result in zip(prompts, results):
-        if args.json:
-            print(json.dumps({"prompt": prompt, **result.to_dict()}), flush=True)
-        else:
-            print(result.text, flush=True)
-            print(f"[{len(result.token_ids)} tokens, {result.forwards} forwards, "
-                  f"{result.tokens_per_forward:.2f} tokens/forward, {result.finish_reason}]", file=sys.stderr)
-    total = results.summary()
-    print(f"total: {total['tokens']} tokens in {total['forwards']} forwards ({total['tokens_per_forward']:.2f} "
-          f"tokens/forward), {total['model_calls']} model calls, {total['seconds']:.2f} s", file=sys.stderr)
-    return 0

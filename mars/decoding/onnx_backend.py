@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mars.core.checkpoint_info import CheckpointInfo
 from mars.core.digest import sha256_file
 from mars.errors import MarsError
 
@@ -109,7 +110,7 @@ class ExportedBlock:
         self.export_dir = Path(export_dir)
         self.manifest = read_manifest(self.export_dir, verify=verify)
         self.spec = BlockSpec(**self.manifest["block"])
-        self.mars = self.manifest["mars"]
+        self.info = CheckpointInfo.from_section(self.manifest["mars"], str(self.export_dir / MANIFEST))
         self._config = self._generation_config = None
         options = ort.SessionOptions()
         if intra_op_threads:
@@ -120,11 +121,11 @@ class ExportedBlock:
 
     @property
     def mask_token_id(self) -> int:
-        return int(self.mars["mask_token_id"])
+        return self.info.mask_token_id
 
     @property
     def block_size(self) -> int:
-        return int(self.mars["block_size"])
+        return self.info.block_size
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer

@@ -15,7 +15,6 @@ t(1-token step) / t(B-token step), both steps timed alternately on the same pref
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -23,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-from mars.core.atomic import write_json
-from mars.decoding.loop import (add_model_arguments, encode_prompts, generate, load_decode_config,
-                           load_for_decoding, stop_token_ids_of)
+from mars.core.checkpoint_info import CheckpointInfo
+from mars.decoding.loop import encode_prompts, generate, stop_token_ids_of
 from mars.errors import MarsError
 from mars.decoding.torch_backend import TorchBackend
 
@@ -40,14 +38,17 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def load_prompts(args, tokenizer) -> list[list[int]]:
-    if args.data:
+def load_prompts(tokenizer, count: int, *, data_dir: str | None = None, prompts_file: str | None = None
+                 ) -> list[list[int]]:
+    """``count`` prompts (cycled when there are fewer): the held-out prompts of prepared data, a prompt file
+    (one per line, or .jsonl with a 'prompt' field), or :data:`DEFAULT_PROMPTS`."""
+    if data_dir:
         from mars.training.data import load_split
 
-        rows = load_split(args.data, "heldout")
+        rows = load_split(data_dir, "heldout")
         prompts = [row["input_ids"][: row["prompt_len"]] for row in rows]
-    elif args.prompts:
-        path = Path(args.prompts)
+    elif prompts_file:
+        path = Path(prompts_file)
         if not path.is_file():
             raise MarsError(f"{path}: no such prompts file")
         lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -57,9 +58,9 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
         prompts = encode_prompts(tokenizer, DEFAULT_PROMPTS)
     if not prompts:
         raise MarsError("bench-decode: no prompts")
-    while len(prompts) < args.num_prompts:  # too few: cycle
+    while len(prompts) < count:  # too few: cycle
         prompts = prompts + prompts
-    return prompts[: args.num_prompts]
+    return prompts[:count]
 
 
 def hf_generate(model, prompts: list[list[int]], batch_size: int, max_new_tokens: int, pad_id: int,
@@ -114,7 +115,7 @@ def step_times(model, prompts: list[list[int]], batch_size: int, widths: list[in
 def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tokens, b_cache, repeats):
     eos = stop_token_ids_of(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
-    block_size = block_size or (getattr(model.config, "mars", None) or {}).get("block_size")
+    block_size = block_size or CheckpointInfo.block_size_of(model)
     if block_size is None:
         raise MarsError("bench-decode: pass --block-size (the checkpoint has no config.mars.block_size)")
     rows = []
@@ -175,42 +176,3 @@ def format_table(report: dict) -> str:
                      f"{ratio(row['ceiling_speedup']):>8} {row['tokens']:>7} {row['tokens_per_s']:>8.1f} "
                      f"{row['t_step_1_ms']:>7.2f} {row['t_step_B_ms']:>7.2f}")
     return "\n".join(lines)
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
-def cli(argv: list[str], verb: str = "bench-decode") -> int:
-    from mars.config import add_params_arguments
-
-    parser = argparse.ArgumentParser(prog=f"mars {verb}", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="checkpoints/mars/final", help="checkpoint dir (default: %(default)s)")
-    parser.add_argument("--data", help="prepared data dir: benchmark on its held-out prompts")
-    parser.add_argument("--prompts", help="prompt file: one prompt per line, or .jsonl with a 'prompt' field")
-    parser.add_argument("--num-prompts", type=int, default=128)
-    parser.add_argument("--batch-sizes", default="1,4,16")
-    parser.add_argument("--taus", default="1.0,0.95,0.9,0.8")
-    parser.add_argument("--block-size", type=int, help="default: decode.block_size, else config.mars.block_size")
-    parser.add_argument("--max-new-tokens", type=int, help="default: decode.max_new_tokens")
-    parser.add_argument("--b-cache", type=int, help="default: decode.b_cache")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
-    parser.add_argument("--json", help="also write the report as JSON to this file")
-    add_model_arguments(parser)
-    add_params_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = load_decode_config(args)
-    model, tokenizer = load_for_decoding(args.model, args)
-    prompts = load_prompts(args, tokenizer)
-    report = run(model, tokenizer, prompts, batch_sizes=[int(x) for x in _floats(args.batch_sizes)],
-                 taus=_floats(args.taus), block_size=args.block_size or cfg.block_size,
-                 max_new_tokens=args.max_new_tokens or cfg.max_new_tokens,
-                 b_cache=cfg.b_cache if args.b_cache is None else args.b_cache, repeats=args.repeats)
-    report.update(model=str(args.model), device=str(args.device), threads=torch.get_num_threads())
-    print(format_table(report))
-    if args.json:
-        write_json(args.json, report)
-    return 0

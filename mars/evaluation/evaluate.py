@@ -8,29 +8,40 @@ For each checkpoint (``--checkpoint NAME=DIR``, e.g. sft, ar_control, mars), eac
   text, forwards, score and the scorer's details), so every number traces back to its generations;
 - ``metrics/eval.json``: one flat entry per ``<checkpoint>/<benchmark>/tau=<tau>`` with ``score``,
   ``tokens_per_forward`` (generated tokens / decoding forwards, summed over items), ``tokens``,
-  ``forwards``, ``seconds`` (decoding wall clock), ``tokens_per_s``, ``n``, ``tau``, ``block_size``;
+  ``forwards``, ``seconds`` (decoding wall clock), ``tokens_per_s``, ``n``, ``tau``, ``block_size``
+  (+ ``agree_exact``, ``agree_prefix``, ``agree_prefix_frac``, ``ref_logprob`` against ``evaluate.reference``:
+  :mod:`mars.evaluation.agreement`);
 - ``<out>/plots/<benchmark>/<checkpoint>.json``: accuracy vs tokens/forward rows for ``dvc plots``;
 - ``<out>/figures/*.png`` and ``<out>/report.md`` (:mod:`mars.evaluation.plots`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mars.core.atomic import write_json, write_jsonl
+from mars.core.checkpoint_info import CheckpointInfo
 from mars.evaluation.benchmarks import BenchmarkConfig, Context, create
-from mars.config import add_params_arguments, params_from_args, section
 from mars.errors import ConfigError, MarsError
-from mars.evaluation.gate import metric_key
+from mars.evaluation.metric_key import MetricKey
 from mars.evaluation.sandbox import SandboxLimits
 
 
 def _default_benchmarks() -> dict[str, BenchmarkConfig]:
-    return {"heldout": BenchmarkConfig(n=80, max_new_tokens=48)}
+    """params.yaml's table: the held-out split on; the rest off for the from-scratch tiny model."""
+    hub = {"ifeval": (100, 512), "gsm8k": (100, 384), "humaneval": (0, 512), "bbh": (100, 256), "mmlu_pro": (100, 384),
+           "gpqa": (0, 512)}
+    return {
+        "heldout": BenchmarkConfig(n=0, max_new_tokens=48),
+        "humaneval": BenchmarkConfig(enabled=False, n=20, max_new_tokens=384, options={"prompt_format": "chat"}),
+        "gsm": BenchmarkConfig(enabled=False, n=20, max_new_tokens=256),
+        "ifeval": BenchmarkConfig(enabled=False, n=20, max_new_tokens=256, options={"max_instructions": 2}),
+        **{f"hub_{preset}": BenchmarkConfig(kind="hub", enabled=False, n=n, max_new_tokens=tokens,
+                                            options={"preset": preset}) for preset, (n, tokens) in hub.items()},
+    }
 
 
 @dataclass
@@ -39,17 +50,21 @@ class EvalConfig:
 
     taus: list[float] = field(default_factory=lambda: [1.0, 0.95, 0.9, 0.8, 0.7])
     block_size: int | None = None  # None: each checkpoint's config.mars.block_size
-    batch_size: int = 8
+    batch_size: int = 16
     use_cache: bool = True
     b_cache: int | None = None  # None: token-level KV cache; C >= B: block-level cache
     dtype: str = "float32"
     device: str = "cpu"
     attn_implementation: str = "sdpa"
     seed: int = 0
-    threads: int | None = None  # torch intra-op threads; None: torch's default
+    threads: int | None = 1  # torch intra-op threads; None: torch's default
     sandbox: SandboxLimits = field(default_factory=SandboxLimits)
     sandbox_workers: int = 2
     benchmarks: dict[str, BenchmarkConfig] = field(default_factory=_default_benchmarks)
+    ar_taus: list[float] | None = None  # taus for AR checkpoints (objective ar); None: taus. [1.0] skips the sweep
+                                        # below tau = 1, where a model never trained with masks is known to fail
+    reference: str | None = None  # a checkpoint name: every output is compared with its tau = 1.0 output
+                                  # (mars.evaluation.agreement); None: no agreement measures
 
     def __post_init__(self):
         if not self.taus:
@@ -65,10 +80,15 @@ class EvalConfig:
             raise ConfigError(f"batch_size: must be >= 1, got {self.batch_size}")
         if not any(b.enabled for b in self.benchmarks.values()):
             raise ConfigError("benchmarks: none is enabled")
+        if self.ar_taus is not None and (not self.ar_taus or not all(t in self.taus for t in self.ar_taus)):
+            raise ConfigError(f"ar_taus: must be a non-empty subset of taus {self.taus}, got {self.ar_taus}")
+        if self.reference is not None and 1.0 not in self.taus:
+            raise ConfigError("reference: the comparison is with the reference's tau = 1.0 output; taus lacks 1.0")
 
-
-def tau_name(tau: float) -> str:
-    return f"tau={float(tau)}"
+    def taus_for(self, model) -> list[float]:
+        """The sweep of one checkpoint: ``ar_taus`` for an AR checkpoint where set, else ``taus``."""
+        info = CheckpointInfo.from_config(model)
+        return self.ar_taus if self.ar_taus is not None and info is not None and info.objective == "ar" else self.taus
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -98,14 +118,13 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
     """Evaluate one loaded model on every benchmark x tau; writes per-item outputs, returns metrics entries."""
     from mars.decoding.loop import generate
 
-    mars_cfg = getattr(model.config, "mars", None) or {}
-    block_size = cfg.block_size or mars_cfg.get("block_size")
+    block_size = cfg.block_size or CheckpointInfo.block_size_of(model)
     if block_size is None:
         raise MarsError(f"checkpoint {name}: no config.mars.block_size; set evaluate.block_size")
     entries: dict[str, dict] = {}
     for bench_name, bench in benchmarks.items():
         bench_items = items[bench_name]
-        for tau in cfg.taus:
+        for tau in cfg.taus_for(model):
             gens = generate(model, tokenizer, [it.prompt for it in bench_items], block_size=block_size, tau=tau,
                             max_new_tokens=bench.config.max_new_tokens, batch_size=cfg.batch_size,
                             use_cache=cfg.use_cache, b_cache=cfg.b_cache)
@@ -119,17 +138,20 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
                     "forwards": g.forwards, "tokens_per_forward": g.tokens_per_forward,
                     "finish_reason": g.finish_reason, "reference": it.reference, **s,
                 })
-            write_jsonl(out_dir / name / bench_name / f"{tau_name(tau)}.jsonl", rows)
+            key = MetricKey(name, bench_name, float(tau))
+            write_jsonl(key.outputs_path(out_dir), rows)
             entry = summarize(rows, gens.seconds, tau, block_size)
-            entries[metric_key(name, bench_name, tau)] = entry
-            log(f"{metric_key(name, bench_name, tau)}: score {entry['score']:.3f}  "
+            entries[key.format()] = entry
+            log(f"{key.format()}: score {entry['score']:.3f}  "
                 f"tokens/forward {entry['tokens_per_forward']:.2f}  {entry['tokens_per_s']:.0f} tok/s")
     return entries
 
 
-def build_benchmarks(cfg: EvalConfig, data_dir: str | None) -> tuple[dict, dict]:
-    """The enabled benchmarks and their items (built once, shared by every checkpoint)."""
-    context = Context(seed=cfg.seed, data_dir=data_dir, sandbox=cfg.sandbox, sandbox_workers=cfg.sandbox_workers)
+def build_benchmarks(cfg: EvalConfig, data_dir: str | None, tasks=None) -> tuple[dict, dict]:
+    """The enabled benchmarks and their items (built once, shared by every checkpoint); ``tasks``: the
+    ``tasks:`` section (:class:`mars.training.tasks.TasksConfig`) for the reasoning benchmark."""
+    context = Context(seed=cfg.seed, data_dir=data_dir, sandbox=cfg.sandbox, sandbox_workers=cfg.sandbox_workers,
+                      tasks=tasks)
     benchmarks = {name: create(name, bc, context) for name, bc in cfg.benchmarks.items() if bc.enabled}
     items = {}
     for name, bench in benchmarks.items():
@@ -143,7 +165,7 @@ def write_plot_data(metrics: dict, out_dir: Path) -> list[Path]:
     """``<out>/plots/<benchmark>/<checkpoint>.json``: rows of (tau, tokens_per_forward, score) for dvc plots."""
     series: dict[tuple[str, str], list[dict]] = {}
     for key, entry in metrics.items():
-        ckpt, bench, _ = key.split("/")
+        ckpt, bench, _ = MetricKey.parse(key)
         series.setdefault((bench, ckpt), []).append(
             {"checkpoint": ckpt, "tau": entry["tau"], "tokens_per_forward": entry["tokens_per_forward"],
              "score": entry["score"], "tokens_per_s": entry["tokens_per_s"]})
@@ -155,8 +177,29 @@ def write_plot_data(metrics: dict, out_dir: Path) -> list[Path]:
     return written
 
 
+def add_agreement(metrics: dict, checkpoints: dict[str, str], cfg: EvalConfig, out_dir: Path, log=print) -> None:
+    """Every entry against ``cfg.reference``'s tau = 1.0 outputs (:mod:`mars.evaluation.agreement`): the
+    per-item measures go into the outputs, their means into the entries."""
+    from mars.core.models import load_model
+    from mars.evaluation import agreement
+
+    if cfg.reference not in checkpoints:
+        raise ConfigError(f"evaluate.reference: {cfg.reference!r} is not an evaluated checkpoint "
+                          f"(have {', '.join(checkpoints)})")
+    model, _ = load_model(checkpoints[cfg.reference], dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
+                          device=cfg.device)
+    for key_text, entry in metrics.items():
+        key = MetricKey.parse(key_text)
+        rows = read_jsonl(key.outputs_path(out_dir))
+        reference = read_jsonl(MetricKey(cfg.reference, key.benchmark, 1.0).outputs_path(out_dir))
+        entry.update(agreement.annotate(rows, reference, model, cfg.batch_size))
+        write_jsonl(key.outputs_path(out_dir), rows)
+        log(f"{key_text}: agrees with {cfg.reference} on {entry['agree_exact']:.1%} of items, matched prefix "
+            f"{entry['agree_prefix']:.1f} tokens; {cfg.reference} log-prob {entry['ref_logprob']:.3f}/token")
+
+
 def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, out_dir: str | Path,
-        metrics_path: str | Path, train_metrics_dir: str | Path | None = "metrics", log=print) -> dict:
+        metrics_path: str | Path, train_metrics_dir: str | Path | None = "metrics", tasks=None, log=print) -> dict:
     """Evaluate every checkpoint; write per-item outputs, metrics, plot data, PNGs and the report."""
     import torch
 
@@ -168,7 +211,7 @@ def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, o
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out_dir = Path(out_dir)
-    benchmarks, items = build_benchmarks(cfg, data_dir)
+    benchmarks, items = build_benchmarks(cfg, data_dir, tasks)
     metrics: dict[str, dict] = {}
     started = time.perf_counter()
     for name, path in checkpoints.items():
@@ -176,37 +219,11 @@ def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, o
                                       device=cfg.device)
         metrics.update(evaluate_model(name, model, tokenizer, benchmarks, items, cfg, out_dir, log=log))
         del model
+    if cfg.reference is not None:
+        add_agreement(metrics, checkpoints, cfg, out_dir, log=log)
     write_json(metrics_path, metrics)
     write_plot_data(metrics, out_dir)
     plots.render_all(metrics, out_dir, train_metrics_dir=train_metrics_dir, checkpoints=checkpoints)
     log(f"evaluated {len(checkpoints)} checkpoint(s) x {len(benchmarks)} benchmark(s) x {len(cfg.taus)} tau(s) "
         f"in {time.perf_counter() - started:.1f} s -> {metrics_path}, {out_dir / 'report.md'}")
     return metrics
-
-
-def _parse_checkpoints(values: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise ConfigError(f"--checkpoint {value!r}: expected NAME=DIR (e.g. mars=checkpoints/mars/final)")
-        if "/" in name or name in out:
-            raise ConfigError(f"--checkpoint {value!r}: names must be unique and contain no '/'")
-        out[name] = path
-    return out
-
-
-def cli(argv: list[str], verb: str = "evaluate") -> int:
-    parser = argparse.ArgumentParser(prog=f"mars {verb}", description=__doc__.split("\n\n")[0])
-    add_params_arguments(parser)
-    parser.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
-                        help="a checkpoint to evaluate (repeatable): sft=..., ar_control=..., mars=...")
-    parser.add_argument("--data", help="prepared data directory (for the held-out suite)")
-    parser.add_argument("--out", default="eval", help="per-item outputs, plots and report.md")
-    parser.add_argument("--metrics", default="metrics/eval.json", help="the metrics file")
-    parser.add_argument("--train-metrics", default="metrics", help="folder of train_<stage>.tsv for the curves")
-    args = parser.parse_args(argv)
-    cfg = section(params_from_args(args), "evaluate", EvalConfig)
-    run(_parse_checkpoints(args.checkpoint), cfg, data_dir=args.data, out_dir=args.out,
-        metrics_path=args.metrics, train_metrics_dir=args.train_metrics)
-    return 0

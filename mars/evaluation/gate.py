@@ -4,10 +4,16 @@ Checks, on ``metrics/eval.json`` (written by ``mars evaluate``):
 
 1. per benchmark: ``candidate@tau`` >= ``baseline@tau`` - ``tolerance`` (tau = ``gate.tau``, 1.0);
 2. on average over those benchmarks: the same with ``average_tolerance``;
+   (1 and 2 for each baseline when ``baseline`` is a list, e.g. ``[ar_control, sft]``: the AR control
+   and the model MARS started from;)
 3. optionally, at ``speed_tau`` (a tau < 1 where MARS is meant to be used): the candidate's average
    tokens/forward is at least ``min_tokens_per_forward``, and its average score is at most
    ``max_score_drop`` below the baseline's at ``tau``. An AR model never trained with masks decodes
    exactly like the baseline at tau = 1.0 but is confidently wrong below it; check 3 is what stops it.
+
+With the per-item outputs (``--eval-dir``, written by ``mars evaluate``) every difference also gets its
+paired standard error over the items both checkpoints answered (``paired_se``, ``n_paired``): the
+score differences of the same items, not two independent samples.
 
 The decision and every number it used go to ``metrics/gate.json``; the verb exits 1 when the gate does
 not pass, so ``dvc repro`` and the flow stop. An explicit override (``gate.override`` in params, or
@@ -16,16 +22,13 @@ not pass, so ``dvc repro`` and the flow stop. An explicit override (``gate.overr
 
 from __future__ import annotations
 
-import argparse
-import getpass
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mars.core.atomic import read_json, write_json
 from mars.core.digest import sha256_file
-from mars.config import add_params_arguments, params_from_args, section
 from mars.errors import ConfigError, MarsError
+from mars.evaluation.metric_key import MetricKey, metric_key
 
 
 @dataclass
@@ -36,7 +39,7 @@ class Override:
 
     def __post_init__(self):
         if self.enabled and not self.reason.strip():
-            raise ConfigError("override.reason: an override needs a reason")
+            raise ConfigError("reason: an override needs a reason")
 
 
 @dataclass
@@ -44,19 +47,19 @@ class GateConfig:
     """The ``gate:`` section of params.yaml."""
 
     candidate: str = "mars"
-    baseline: str = "ar_control"  # or "sft"
+    baseline: str | list[str] = "ar_control"  # or "sft", or a list: each is checked (the first for the speed check)
     tau: float = 1.0
-    tolerance: float = 0.02  # score points (scores are 0..1) the candidate may trail per benchmark
+    tolerance: float = 0.05  # score points (scores are 0..1) the candidate may trail per benchmark
     average_tolerance: float | None = None  # None: same as tolerance
     benchmarks: list[str] = field(default_factory=list)  # empty: every benchmark both have at tau
-    speed_tau: float | None = None  # None: no check below tau = 1.0
+    speed_tau: float | None = 0.9  # None: no check below tau = 1.0
     min_tokens_per_forward: float | None = None
-    max_score_drop: float | None = None
+    max_score_drop: float | None = 0.2
     override: Override = field(default_factory=Override)
 
     def __post_init__(self):
-        if self.baseline == self.candidate:
-            raise ConfigError(f"baseline: must differ from the candidate ({self.candidate!r})")
+        if not self.baselines() or self.candidate in self.baselines():
+            raise ConfigError(f"baseline: must name checkpoints other than the candidate ({self.candidate!r})")
         if self.tolerance < 0 or (self.average_tolerance is not None and self.average_tolerance < 0):
             raise ConfigError("tolerance: must be >= 0")
         if (self.min_tokens_per_forward is not None or self.max_score_drop is not None) and self.speed_tau is None:
@@ -65,17 +68,32 @@ class GateConfig:
             raise ConfigError(f"speed_tau: must be in (0, 1], got {self.speed_tau}")
 
 
-def metric_key(checkpoint: str, benchmark: str, tau: float) -> str:
-    """The key of one evaluation in metrics/eval.json."""
-    return f"{checkpoint}/{benchmark}/tau={float(tau)}"
+    def baselines(self) -> list[str]:
+        return [self.baseline] if isinstance(self.baseline, str) else list(self.baseline)
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def decide(metrics: dict, cfg: GateConfig) -> dict:
-    """The gate decision (JSON-ready) for eval metrics ``metrics``; pure: no files."""
+def paired(candidate: dict[str, float], baseline: dict[str, float]) -> dict:
+    """Mean score difference over the items both have, and its paired standard error."""
+    common = sorted(set(candidate) & set(baseline))
+    diffs = [candidate[i] - baseline[i] for i in common]
+    n = len(diffs)
+    if n < 2:
+        return {"n_paired": n, "paired_delta": _mean(diffs), "paired_se": float("nan")}
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / (n - 1)
+    return {"n_paired": n, "paired_delta": mean, "paired_se": (var / n) ** 0.5}
+
+
+def decide(metrics: dict, cfg: GateConfig, item_scores=None) -> dict:
+    """The gate decision (JSON-ready) for eval metrics ``metrics``; pure: no files.
+
+    ``item_scores(checkpoint, benchmark, tau) -> {item id: score} | None``, where given, adds the paired
+    difference and its standard error to every comparison.
+    """
     checks: list[dict] = []
     failures: list[str] = []
 
@@ -88,34 +106,54 @@ def decide(metrics: dict, cfg: GateConfig) -> dict:
         return metrics.get(metric_key(ckpt, bench, tau))
 
     def benchmarks_at(ckpt: str, tau: float) -> set[str]:
-        suffix = f"/tau={float(tau)}"
-        return {k[len(ckpt) + 1: -len(suffix)] for k in metrics if k.startswith(ckpt + "/") and k.endswith(suffix)}
+        keys = [MetricKey.parse(k) for k in metrics]
+        return {k.benchmark for k in keys if k.checkpoint == ckpt and k.tau == float(tau)}
 
-    cand, base = cfg.candidate, cfg.baseline
-    names = cfg.benchmarks or sorted(benchmarks_at(cand, cfg.tau) | benchmarks_at(base, cfg.tau))
-    compared: list[tuple[str, float, float]] = []
-    for bench in names:
-        c, b = entry(cand, bench, cfg.tau), entry(base, bench, cfg.tau)
-        if c is None or b is None:
-            missing = [metric_key(x, bench, cfg.tau) for x, e in ((cand, c), (base, b)) if e is None]
-            check(bench, "missing", float("nan"), float("nan"), False, f"{bench}: no metrics for {', '.join(missing)}")
-            continue
-        limit = b["score"] - cfg.tolerance
-        ok = c["score"] >= limit - 1e-12
-        check(bench, "benchmark", c["score"], limit, ok,
-              f"{bench}: {cand} {c['score']:.4f} < {base} {b['score']:.4f} - tolerance {cfg.tolerance}",
-              candidate=c["score"], baseline=b["score"], delta=c["score"] - b["score"], n=c.get("n"))
-        compared.append((bench, c["score"], b["score"]))
-    if not names:
-        check("benchmarks", "missing", float("nan"), float("nan"), False,
-              f"no benchmark has metrics for {cand} or {base} at tau={float(cfg.tau)}")
+    def pairing(bench: str, base: str) -> dict:
+        if item_scores is None:
+            return {}
+        c, b = item_scores(cand, bench, cfg.tau), item_scores(base, bench, cfg.tau)
+        return paired(c, b) if c is not None and b is not None else {}
 
+    cand = cfg.candidate
     avg_tol = cfg.tolerance if cfg.average_tolerance is None else cfg.average_tolerance
-    if compared:
-        c_avg, b_avg = _mean([c for _, c, _ in compared]), _mean([b for _, _, b in compared])
-        check("average", "average", c_avg, b_avg - avg_tol, c_avg >= b_avg - avg_tol - 1e-12,
-              f"average: {cand} {c_avg:.4f} < {base} {b_avg:.4f} - tolerance {avg_tol}",
-              candidate=c_avg, baseline=b_avg, delta=c_avg - b_avg, benchmarks=[n for n, _, _ in compared])
+    first: list[tuple[str, float, float]] = []  # the comparisons with the first baseline (the speed check's)
+    for base in cfg.baselines():
+        # one baseline keeps the plain check names; with several, each name says which baseline
+        suffix = "" if len(cfg.baselines()) == 1 else f" vs {base}"
+        names = cfg.benchmarks or sorted(benchmarks_at(cand, cfg.tau) | benchmarks_at(base, cfg.tau))
+        compared: list[tuple[str, float, float]] = []
+        ses: list[float] = []
+        for bench in names:
+            c, b = entry(cand, bench, cfg.tau), entry(base, bench, cfg.tau)
+            if c is None or b is None:
+                missing = [metric_key(x, bench, cfg.tau) for x, e in ((cand, c), (base, b)) if e is None]
+                check(bench + suffix, "missing", float("nan"), float("nan"), False,
+                      f"{bench}: no metrics for {', '.join(missing)}", baseline_name=base)
+                continue
+            limit = b["score"] - cfg.tolerance
+            ok = c["score"] >= limit - 1e-12
+            pair = pairing(bench, base)
+            ses.append(pair.get("paired_se", float("nan")))
+            check(bench + suffix, "benchmark", c["score"], limit, ok,
+                  f"{bench}: {cand} {c['score']:.4f} < {base} {b['score']:.4f} - tolerance {cfg.tolerance}",
+                  candidate=c["score"], baseline=b["score"], delta=c["score"] - b["score"], n=c.get("n"),
+                  baseline_name=base, **pair)
+            compared.append((bench, c["score"], b["score"]))
+        if not names:
+            check("benchmarks" + suffix, "missing", float("nan"), float("nan"), False,
+                  f"no benchmark has metrics for {cand} or {base} at tau={float(cfg.tau)}", baseline_name=base)
+        if compared:
+            c_avg, b_avg = _mean([c for _, c, _ in compared]), _mean([b for _, _, b in compared])
+            # benchmarks hold different items: the SE of the mean difference adds their variances
+            se = {"paired_se": sum(x * x for x in ses) ** 0.5 / len(ses)} if item_scores is not None else {}
+            check("average" + suffix, "average", c_avg, b_avg - avg_tol, c_avg >= b_avg - avg_tol - 1e-12,
+                  f"average: {cand} {c_avg:.4f} < {base} {b_avg:.4f} - tolerance {avg_tol}",
+                  candidate=c_avg, baseline=b_avg, delta=c_avg - b_avg, benchmarks=[n for n, _, _ in compared],
+                  baseline_name=base, **se)
+        if base == cfg.baselines()[0]:
+            first = compared
+    compared, base = first, cfg.baselines()[0]
 
     if cfg.speed_tau is not None and compared:
         fast = {bench: entry(cand, bench, cfg.speed_tau) for bench, _, _ in compared}
@@ -146,7 +184,7 @@ def decide(metrics: dict, cfg: GateConfig) -> dict:
         "overridden": overridden,
         "override": asdict(cfg.override),
         "candidate": cand,
-        "baseline": base,
+        "baseline": cfg.baseline,
         "tau": cfg.tau,
         "tolerance": cfg.tolerance,
         "average_tolerance": avg_tol,
@@ -164,39 +202,31 @@ def read_metrics(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise MarsError(f"{path}: expected an object of '<checkpoint>/<benchmark>/tau=<tau>' entries")
     for key, value in data.items():
+        try:
+            MetricKey.parse(key)
+        except MarsError as err:
+            raise MarsError(f"{path}: {err}") from None
         if not isinstance(value, dict) or not {"score", "tokens", "forwards"} <= set(value):
             raise MarsError(f"{path}: entry {key!r} lacks score/tokens/forwards")
     return data
 
 
-def run_gate(metrics_path: str | Path, out: str | Path, cfg: GateConfig) -> dict:
-    decision = decide(read_metrics(metrics_path), cfg)  # raises first when the file is missing or malformed
+def item_scores_from(eval_dir: str | Path):
+    """``item_scores`` for :func:`decide` from ``mars evaluate``'s per-item outputs under ``eval_dir``."""
+    from mars.evaluation.evaluate import read_jsonl
+
+    def scores(checkpoint: str, benchmark: str, tau: float) -> dict[str, float] | None:
+        path = MetricKey(checkpoint, benchmark, float(tau)).outputs_path(eval_dir)
+        return {r["id"]: float(r["score"]) for r in read_jsonl(path)} if path.is_file() else None
+
+    return scores
+
+
+def run_gate(metrics_path: str | Path, out: str | Path, cfg: GateConfig, eval_dir: str | Path | None = None) -> dict:
+    """Decide on ``metrics_path`` (+ paired standard errors from ``eval_dir``'s per-item outputs, where given)."""
+    metrics = read_metrics(metrics_path)  # raises first when the file is missing or malformed
+    decision = decide(metrics, cfg, item_scores_from(eval_dir) if eval_dir is not None else None)
     decision["metrics"] = str(metrics_path)
     decision["metrics_sha256"] = sha256_file(metrics_path)
     write_json(out, decision)
     return decision
-
-
-def cli(argv: list[str], verb: str = "gate") -> int:
-    parser = argparse.ArgumentParser(prog=f"mars {verb}", description=__doc__.split("\n\n")[0])
-    add_params_arguments(parser)
-    parser.add_argument("--metrics", default="metrics/eval.json", help="evaluation metrics (mars evaluate)")
-    parser.add_argument("--out", default="metrics/gate.json", help="where the decision goes")
-    parser.add_argument("--override", metavar="REASON", help="pass the gate anyway, recording REASON")
-    parser.add_argument("--override-by", metavar="WHO", help="who overrides (default: the current user)")
-    args = parser.parse_args(argv)
-    cfg = section(params_from_args(args), "gate", GateConfig)
-    if args.override is not None:
-        cfg.override = Override(True, args.override, args.override_by or getpass.getuser())
-    elif cfg.override.enabled and not cfg.override.by:
-        raise ConfigError("gate.override.by: an override must say who made it")
-    decision = run_gate(args.metrics, args.out, cfg)
-    for c in decision["checks"]:
-        print(f"{'ok  ' if c['passed'] else 'FAIL'} {c['name']}: {c['value']:.4f} (limit {c['limit']:.4f})")
-    if decision["overridden"]:
-        print(f"gate OVERRIDDEN by {cfg.override.by}: {cfg.override.reason}", file=sys.stderr)
-    elif not decision["passed"]:
-        print("gate FAILED:\n  " + "\n  ".join(decision["failures"]), file=sys.stderr)
-    else:
-        print(f"gate passed: {cfg.candidate} vs {cfg.baseline} at tau={cfg.tau}")
-    return 0 if decision["passed"] else 1

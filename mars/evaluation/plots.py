@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from mars.core.atomic import atomic_path, write_text
+from mars.evaluation.metric_key import MetricKey
 
 FIGURES = "figures"  # PNGs; eval/plots/ holds only the dvc plots data series
 
@@ -34,7 +35,7 @@ def by_benchmark(metrics: dict) -> dict[str, dict[str, list[dict]]]:
     """benchmark -> checkpoint -> entries sorted by tau, descending."""
     out: dict[str, dict[str, list[dict]]] = {}
     for key, entry in metrics.items():
-        ckpt, bench, _ = key.split("/")
+        ckpt, bench, _ = MetricKey.parse(key)
         out.setdefault(bench, {}).setdefault(ckpt, []).append(entry)
     for per_ckpt in out.values():
         for rows in per_ckpt.values():

@@ -15,7 +15,6 @@ into place, so a failed export leaves nothing half-written and an older export u
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import datetime
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from mars.core.atomic import atomic_dir
+from mars.core.checkpoint_info import CheckpointInfo
 from mars.core.digest import sha256_file, sha256_tree
 from mars.decoding.onnx_backend import FORMAT_VERSION, INPUT_NAMES, MANIFEST, OUTPUT_NAMES, BlockSpec, window_mask
 from mars.errors import ConfigError, MarsError
@@ -43,7 +43,7 @@ class ExportError(MarsError):
 class ExportConfig:
     batch_size: int = 4
     window: int = 16
-    max_context: int = 512
+    max_context: int = 256
     opset: int = 18
     external_data: bool = False
     parity_atol: float = 1e-4
@@ -182,35 +182,28 @@ def text_inputs(model, tokenizer, spec: BlockSpec, prefix_lens, past: int, *, ge
 # Checkpoint checks
 
 
-def check_checkpoint(checkpoint: Path) -> dict:
-    """``config.json`` of a MARS checkpoint, or a clear error saying what is missing."""
+def check_checkpoint(checkpoint: Path) -> CheckpointInfo:
+    """The ``config.mars`` record of a MARS checkpoint, or a clear error saying what is missing."""
     if not checkpoint.is_dir():
         raise ExportError(f"{checkpoint}: no such checkpoint directory")
-    config_file = checkpoint / "config.json"
-    if not config_file.is_file():
+    if not (checkpoint / "config.json").is_file():
         raise ExportError(f"{checkpoint}: not a model checkpoint (no config.json)")
-    config = json.loads(config_file.read_text())
-    mars = config.get("mars")
-    if not isinstance(mars, dict) or "mask_token_id" not in mars or "block_size" not in mars:
-        raise ExportError(
-            f"{config_file}: not a MARS checkpoint: no mars section with mask_token_id and block_size "
-            "(export a checkpoint written by `mars train`)"
-        )
+    info = CheckpointInfo.read(checkpoint)
     if not any((checkpoint / name).is_file() for name in TOKENIZER_MARKERS):
         raise ExportError(
             f"{checkpoint}: no tokenizer files ({', '.join(TOKENIZER_MARKERS)}); the export must carry the "
             "tokenizer the checkpoint was trained with"
         )
-    return config
+    return info
 
 
-def check_shapes(cfg: ExportConfig, config, mars: dict) -> None:
+def check_shapes(cfg: ExportConfig, config, info: CheckpointInfo) -> None:
     limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and cfg.max_context > limit:
         raise ConfigError(f"export.max_context: {cfg.max_context} exceeds the model's max_position_embeddings={limit}")
-    if cfg.window < int(mars["block_size"]):
+    if cfg.window < info.block_size:
         raise ConfigError(
-            f"export.window: W={cfg.window} is smaller than the checkpoint's block size B={mars['block_size']}"
+            f"export.window: W={cfg.window} is smaller than the checkpoint's block size B={info.block_size}"
         )
 
 
@@ -390,14 +383,13 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, cfg: ExportConfig
     """Export ``checkpoint`` into directory ``out`` (atomically); returns the manifest."""
     cfg = cfg or ExportConfig()
     checkpoint, out = Path(checkpoint), Path(out)
-    raw_config = check_checkpoint(checkpoint)
-    mars = raw_config["mars"]
+    info = check_checkpoint(checkpoint)
 
     from mars.core.models import load_model
 
     model, tokenizer = load_model(checkpoint, dtype="float32", attn_implementation="sdpa")
-    check_shapes(cfg, model.config, mars)
-    mask_id = int(mars["mask_token_id"])
+    check_shapes(cfg, model.config, info)
+    mask_id = info.mask_token_id
     if mask_id not in tokenizer.all_special_ids:
         found = repr(tokenizer.convert_ids_to_tokens(mask_id)) if mask_id < len(tokenizer) else "not in the tokenizer"
         raise ExportError(f"{checkpoint}: config.mars.mask_token_id {mask_id} is {found}, not a special token of its "
@@ -405,7 +397,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, cfg: ExportConfig
     spec = block_spec(model.config, cfg.batch_size, cfg.window, cfg.max_context)
 
     with atomic_dir(out) as tmp:
-        log(f"export: ONNX block forward B={mars['block_size']} batch={spec.batch_size} W={spec.window} "
+        log(f"export: ONNX block forward B={info.block_size} batch={spec.batch_size} W={spec.window} "
             f"past<={spec.max_prefix} (opset {cfg.opset})")
         started = time.perf_counter()
         onnx_files = export_onnx(block_forward(model), spec, tmp, cfg)
@@ -442,7 +434,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, cfg: ExportConfig
             "format_version": FORMAT_VERSION,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "checkpoint": {"path": str(checkpoint), "sha256": sha256_tree(checkpoint)},
-            "mars": mars,
+            "mars": info.to_dict(),
             "block": dataclasses.asdict(spec),
             "export_config": dataclasses.asdict(cfg),
             **_io_table(spec, "float32"),
@@ -460,34 +452,19 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, cfg: ExportConfig
     return manifest
 
 
-def stand_in_checkpoint(params: dict, out: str | Path) -> Path:
-    """The profile's base model (``model:`` in params, random weights) saved as a MARS checkpoint.
+def stand_in_checkpoint(model_cfg, seed: int, block_size: int, out: str | Path) -> Path:
+    """The profile's base model (a :class:`mars.training.base.ModelConfig`, random weights) saved as a MARS
+    checkpoint of block size B.
 
     For latency and TensorRT build checks where no trained checkpoint exists: shapes, not weights,
     decide the timings. ``config.mars.base`` says it is a stand-in.
     """
-    from mars.config import section
-    from mars.training.base import ModelConfig, build_base
+    from mars.training.base import build_base
 
-    model, tokenizer, info = build_base(section(params, "model", ModelConfig), params.get("seed", 0))
-    block = (params.get("train") or {}).get("block_size", 4)
-    model.config.mars = {"block_size": block, "mask_token_id": info.token_id, "objective": "mars", "w_ar": 1.0,
-                         "stage": "mars", "block_offset": "fixed", "base": "stand-in: random weights"}
+    model, tokenizer, mask = build_base(model_cfg, seed)
+    CheckpointInfo(block_size=block_size, mask_token_id=mask.token_id, objective="mars", w_ar=1.0, stage="mars",
+                   block_offset="fixed", base="stand-in: random weights").write_to(model.config)
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return Path(out)
-
-
-def cli(argv: list[str], verb: str = "export") -> int:
-    from mars.config import add_params_arguments, params_from_args, section
-
-    parser = argparse.ArgumentParser(prog=f"mars {verb}", description=__doc__.splitlines()[0])
-    add_params_arguments(parser)
-    parser.add_argument("--checkpoint", default="checkpoints/mars/final",
-                        help="MARS checkpoint directory (default: checkpoints/mars/final)")
-    parser.add_argument("--out", default="exports/mars", help="export directory to write (default: exports/mars)")
-    args = parser.parse_args(argv)
-    cfg = section(params_from_args(args), "export", ExportConfig)
-    export_checkpoint(args.checkpoint, args.out, cfg)
-    return 0

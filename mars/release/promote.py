@@ -23,7 +23,6 @@ A pulled release directory::
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import re
@@ -31,11 +30,10 @@ import subprocess
 from pathlib import Path, PurePosixPath
 
 from mars.core.atomic import atomic_dir, read_json
+from mars.core.checkpoint_info import CheckpointInfo
 from mars.core.digest import sha256_bytes, sha256_file, sha256_tree
-from mars.config import add_params_arguments, params_from_args
 from mars.errors import MarsError
-from mars.release.store import (IntegrityError, NotFound, Store, StoreConfig, iter_files, object_key, open_store,
-                                store_config)
+from mars.release.store import IntegrityError, NotFound, Store, iter_files, object_key
 
 RELEASE_FORMAT = 1
 MANIFEST_FILE = "release.json"
@@ -85,15 +83,6 @@ def gate_decision(path: str | Path) -> dict:
         return gate
     raise ReleaseError(f"{path}: the gate did not pass (passed: {gate['passed']!r}, no recorded override); "
                        "refusing to promote")
-
-
-def checkpoint_info(checkpoint: Path) -> dict:
-    """The ``mars`` section of a checkpoint's config.json (block size, mask token, stage ...)."""
-    config = checkpoint / "config.json"
-    mars = read_json(config, "not a model checkpoint", ReleaseError).get("mars")
-    if not isinstance(mars, dict) or "block_size" not in mars or "mask_token_id" not in mars:
-        raise ReleaseError(f"{config}: not a MARS checkpoint (no mars.block_size / mars.mask_token_id)")
-    return mars
 
 
 def check_export(export: Path, checkpoint: Path, block_size: int) -> dict:
@@ -181,8 +170,8 @@ def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: s
     _plain("release name", name), _plain("stage", stage)
     decision = gate_decision(gate)
     export, checkpoint = Path(export), Path(checkpoint)
-    model = checkpoint_info(checkpoint)
-    block_size = int(model["block_size"])
+    model = CheckpointInfo.read(checkpoint)
+    block_size = model.block_size
     files = collect_files(export, checkpoint, Path(tokenizer) if tokenizer else None)
     check_export(export, checkpoint, block_size)
     if tau is None:  # the tau the gate vouched for: its speed check's if it ran one, else the lossless one
@@ -209,8 +198,8 @@ def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: s
         "created_at": _now(),
         "block_size": block_size,
         "tau": float(tau),
-        "mask_token_id": int(model["mask_token_id"]),
-        "model": model,
+        "mask_token_id": model.mask_token_id,
+        "model": model.to_dict(),
         "engines": engines,
         "gate": decision,
         "source": source_revision(Path(repo)),
@@ -339,44 +328,3 @@ def list_releases(store: Store, name: str | None = None) -> list[str]:
                          f"tau={manifest.get('tau')} gate={verdict} "
                          f"files={len(manifest.get('files', {}))}{marks}")
     return lines
-
-
-# -- CLI ------------------------------------------------------------------------------------------
-def cli(argv: list[str], verb: str = "promote") -> int:
-    if verb == "pull":
-        parser = argparse.ArgumentParser(prog="mars pull",
-                                         description="Fetch a promoted release, verified, into a directory.")
-        parser.add_argument("name", help="release name (e.g. mars)")
-        which = parser.add_mutually_exclusive_group()
-        which.add_argument("--stage", help="stage pointer to follow (default: store.stage)")
-        which.add_argument("--version", help="a specific release version (e.g. v3) instead of a stage")
-        parser.add_argument("--to", required=True, help="destination directory (replaced atomically)")
-    else:
-        parser = argparse.ArgumentParser(
-            prog="mars promote",
-            description="Publish a gated release to the artifact store and move the stage pointer to it.")
-        parser.add_argument("--gate", default="metrics/gate.json", help="gate decision (default: metrics/gate.json)")
-        parser.add_argument("--export", default="exports/mars", help="export directory (default: exports/mars)")
-        parser.add_argument("--checkpoint", default="checkpoints/mars/final", help="MARS checkpoint directory")
-        parser.add_argument("--tokenizer", help="tokenizer directory (default: the tokenizer files of the checkpoint)")
-        parser.add_argument("--name", help="release name (default: store.name)")
-        parser.add_argument("--stage", help="stage pointer to move (default: store.stage)")
-        parser.add_argument("--tau", type=float, help="default decoding threshold recorded in the release "
-                                                      "(default: the gate's speed_tau if it checked one, else its tau)")
-        parser.add_argument("--rollback", metavar="VERSION", help="move the stage back to an earlier release instead")
-    add_params_arguments(parser)
-    parser.add_argument("--store", help="store URI (default: $MARS_STORE_URI or store.uri)")
-    args = parser.parse_args(argv)
-    cfg: StoreConfig = store_config(params_from_args(args), args.store)
-    store = open_store(cfg)
-    if verb == "pull":
-        pull(store, args.name, args.to, stage=args.stage or cfg.stage if args.version is None else None,
-             version=args.version)
-        return 0
-    name, stage = args.name or cfg.name, args.stage or cfg.stage
-    if args.rollback:
-        rollback(store, version=args.rollback, name=name, stage=stage)
-        return 0
-    promote(store, gate=args.gate, export=args.export, checkpoint=args.checkpoint, tokenizer=args.tokenizer,
-            name=name, stage=stage, tau=args.tau)
-    return 0

@@ -21,18 +21,19 @@ DeepSpeed ZeRO-2 (configs in ``infra/accelerate/``). Results do not depend on th
 
 Checkpoints (``<out>/steps/step-NNNNNNNN``) hold model, optimizer, scheduler, RNG states and the
 step (which fixes the data position); they are written to a temporary folder and renamed, so a
-killed run leaves either a complete checkpoint or none. The final model is a ``save_pretrained``
+killed run leaves either a complete checkpoint or none. A resume loads only what the trainer wrote,
+in forms that run no code: weights through safetensors, optimizer and RNG states through
+``torch.load(weights_only=True)``, step and scheduler state as JSON (:func:`check_step_checkpoint`
+refuses anything else before it is read). The final model is a ``save_pretrained``
 folder (``<out>/final``) with the tokenizer and a ``mars`` section in its config.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import logging
 import math
-import os
 import shutil
 import sys
 import time
@@ -44,6 +45,7 @@ import torch
 
 from mars.core.atomic import atomic_dir, read_json, replace_dir, write_text
 from mars.core.batch import DualStreamBatch, build_batch
+from mars.core.checkpoint_info import CheckpointInfo
 from mars.errors import ConfigError, DataError, MarsError
 from mars.core.loss import compute_loss
 
@@ -52,6 +54,7 @@ STAGES: tuple[str, ...] = ("sft", "mars", "ar_control")
 OBJECTIVE = {"sft": "ar", "mars": "mars", "ar_control": "ar"}
 STEP_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
+TORCH_STATE_SUFFIXES = (".bin", ".pkl", ".pt")  # accelerate's optimizer / RNG / grad-scaler files
 METRIC_COLUMNS = ("step", "epoch", "loss", "l_mask", "l_ar", "lr", "tokens_per_s")
 
 
@@ -64,6 +67,7 @@ class StageConfig:
     max_steps: int | None = None  # wins over epochs when set
     same_steps_as: str | None = None  # train exactly as many steps as that stage (ar_control: mars)
     lr: float | None = None  # null: train.lr
+    enabled: bool = True  # sft only: false = an instruction-tuned base is the SFT checkpoint (0 steps)
 
     def __post_init__(self):
         if self.same_steps_as is not None and self.same_steps_as not in STAGES:
@@ -84,7 +88,7 @@ class MarsStageConfig(StageConfig):
 
     block_size: int = 4  # B
     w_ar: float = 1.0  # weight of L_AR; 0 is the paper's ablation
-    block_offset: Literal["fixed", "random"] = "fixed"  # random: blocks start at a random shift in [0, B)
+    block_offset: Literal["fixed", "random"] = "random"  # random: blocks start at a random shift in [0, B)
     drop_prompt: bool = True  # skip the noisy copy of the prompt (no loss there; ~same result, less compute)
 
     def __post_init__(self):
@@ -97,14 +101,14 @@ class MarsStageConfig(StageConfig):
 
 @dataclass
 class TrainConfig:
-    lr: float = 5e-6
+    lr: float = 5e-3
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_ratio: float = 0.03
-    max_length: int = 512
-    batch_size: int = 8  # GLOBAL examples per optimizer step (all processes x accumulation)
+    max_length: int = 128
+    batch_size: int = 16  # GLOBAL examples per optimizer step (all processes x accumulation)
     grad_accum: int = 1
     group_by_length: bool = True  # batches of similar lengths (less padding); the order stays seeded
     max_grad_norm: float | None = 1.0
@@ -112,10 +116,10 @@ class TrainConfig:
     attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
     save_every: int = 100  # optimizer steps between checkpoints
     keep_checkpoints: int = 2
-    threads: int | None = None  # torch CPU threads per process; null: torch's default
-    sft: StageConfig = field(default_factory=lambda: StageConfig(epochs=5))
-    mars: MarsStageConfig = field(default_factory=lambda: MarsStageConfig(epochs=5))
-    ar_control: StageConfig = field(default_factory=lambda: StageConfig(same_steps_as="mars"))
+    threads: int | None = 1  # torch CPU threads per process; null: torch's default
+    sft: StageConfig = field(default_factory=lambda: StageConfig(epochs=8))
+    mars: MarsStageConfig = field(default_factory=lambda: MarsStageConfig(epochs=5, lr=2e-3))
+    ar_control: StageConfig = field(default_factory=lambda: StageConfig(same_steps_as="mars", lr=2e-3))
 
     def __post_init__(self):
         checks = {
@@ -133,6 +137,10 @@ class TrainConfig:
         if self.batch_size % self.grad_accum:
             raise ConfigError(f"batch_size: {self.batch_size} is not a multiple of grad_accum={self.grad_accum}")
         for name in STAGES:
+            if name != "sft" and not self.stage(name).enabled:
+                raise ConfigError(f"{name}.enabled: only the sft stage can be left out")
+            if not self.stage(name).enabled and any(self.stage(o).same_steps_as == name for o in STAGES):
+                raise ConfigError(f"{name}.enabled: another stage takes its step count (same_steps_as)")
             seen, stage = {name}, self.stage(name)
             while stage.same_steps_as is not None:
                 if stage.same_steps_as in seen:
@@ -161,12 +169,6 @@ class TrainConfig:
     def steps_per_epoch(self, num_examples: int) -> int:
         # drop_last: every step has the full global batch, whatever the number of processes
         return num_examples // self.batch_size
-
-
-def load_train_config(params: dict) -> TrainConfig:
-    from mars.config import section
-
-    return section(params, "train", TrainConfig)
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -286,6 +288,31 @@ def resolve_resume(resume: str, out: Path) -> Path | None:
     return path
 
 
+def check_step_checkpoint(ckpt: Path, state: dict) -> None:
+    """Refuse a step checkpoint that holds anything but what this trainer writes, in a form that loads
+    without running code: the state file (JSON: step, fingerprint, scheduler state), safetensors
+    weights, and torch files (optimizer state, RNG states) that load with ``weights_only=True``.
+
+    A crafted pickle (one that would run code when unpickled) fails the weights-only load here, before
+    accelerate reads anything; an unexpected file is refused whatever it holds.
+    """
+    from accelerate.utils import load as weights_only_load  # torch.load(weights_only=True) + numpy RNG arrays
+
+    refuse = f"refusing to resume from {ckpt} (--resume no starts over)"
+    if not isinstance(state.get("scheduler"), dict) or not isinstance(state.get("step"), int):
+        raise MarsError(f"{ckpt / STATE_FILE}: no step / scheduler state (written by an older trainer?); {refuse}")
+    for path in sorted(p for p in ckpt.rglob("*") if not p.is_dir()):
+        if path.name == STATE_FILE or path.suffix == ".safetensors":
+            continue
+        if path.is_symlink() or path.suffix not in TORCH_STATE_SUFFIXES:
+            raise MarsError(f"{path}: not a file this trainer writes into a step checkpoint; {refuse}")
+        try:
+            weights_only_load(path, map_location="cpu", mmap=True)
+        except Exception as err:  # UnpicklingError for a forbidden global; anything else is not ours either
+            reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            raise MarsError(f"{path}: holds more than tensors and plain data ({reason}); {refuse}") from None
+
+
 # ------------------------------------------------------------------------------------------ metrics
 class MetricsLog:
     """One TSV row per optimizer step (``dvc plots`` reads it); a resumed run continues it."""
@@ -345,18 +372,16 @@ class LossModel(torch.nn.Module):
         return out.loss, out.l_mask.detach(), out.l_ar.detach()
 
 
-def mars_section(cfg: TrainConfig, stage: str, mask_id: int, base: str) -> dict:
+def checkpoint_info(cfg: TrainConfig, stage: str, mask_id: int, base: str) -> CheckpointInfo:
     """The ``config.mars`` record of a checkpoint: what it is and how it was trained.
 
     AR checkpoints record the MARS stage's B too: the block size they are compared at when decoded.
     """
     m = cfg.mars
     objective = OBJECTIVE[stage]
-    return {
-        "block_size": m.block_size, "mask_token_id": int(mask_id), "objective": objective,
-        "w_ar": m.w_ar if objective == "mars" else 1.0, "stage": stage,
-        "block_offset": m.block_offset if objective == "mars" else "fixed", "base": base,
-    }
+    return CheckpointInfo(block_size=m.block_size, mask_token_id=int(mask_id), objective=objective,
+                          w_ar=m.w_ar if objective == "mars" else 1.0, stage=stage,
+                          block_offset=m.block_offset if objective == "mars" else "fixed", base=base)
 
 
 def _make_accelerator(cfg: TrainConfig):
@@ -424,6 +449,8 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
     out = Path(out)
     metrics_path = Path(metrics_path) if metrics_path else Path("metrics") / f"train_{stage}.tsv"
     accelerator = _make_accelerator(cfg)
+    if not stage_cfg.enabled:
+        return _init_as_final(accelerator, cfg, stage, init, out, metrics_path, seed)
     world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
     if cfg.batch_size % (world * cfg.grad_accum):
         raise ConfigError(f"train.batch_size: {cfg.batch_size} is not a multiple of processes x grad_accum "
@@ -444,14 +471,14 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
         from mars.training.data import check_tokenizer
 
         check_tokenizer(data_meta, tokenizer)  # the data's token ids must mean the same here
-    base = (getattr(model.config, "mars", None) or {}).get("base") or str(init)
+    init_info = CheckpointInfo.from_config(model.config)
+    base = init_info.base if init_info is not None and init_info.base else str(init)
     model = LossModel(model.train(), cfg.attn_implementation)
     optimizer = torch.optim.AdamW(model.parameters(), lr=stage_cfg.lr or cfg.lr, betas=tuple(cfg.betas),
                                   eps=cfg.eps, weight_decay=cfg.weight_decay)
     # The scheduler stays outside prepare(): accelerate would step it once per process per step.
     scheduler = _scheduler(cfg, optimizer, total)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
 
     fingerprint = _fingerprint(cfg, stage, seed, init, examples, total)
     start = 0
@@ -467,7 +494,9 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
                 print(f"train {stage}: not resuming {ckpt} (different {diff}); starting over", file=sys.stderr)
             ckpt = None
     if ckpt is not None:
+        check_step_checkpoint(ckpt, state)  # before anything in it is loaded
         accelerator.load_state(str(ckpt))
+        scheduler.load_state_dict(state["scheduler"])
         start = int(state["step"])
     elif main and (out / "steps").exists():
         shutil.rmtree(out / "steps")  # a fresh run must never be resumed into later from stale steps
@@ -531,7 +560,7 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
                 bar.set_postfix(loss=f"{loss:.4f}", l_mask=f"{l_mask:.4f}", l_ar=f"{l_ar:.4f}",
                                 tok_s=f"{last['tokens_per_s']:.0f}", refresh=False)
             if (step + 1) % cfg.save_every == 0 and step + 1 < total:
-                _save_step(accelerator, out, step + 1, fingerprint, cfg.keep_checkpoints)
+                _save_step(accelerator, out, step + 1, fingerprint, scheduler.state_dict(), cfg.keep_checkpoints)
     finally:
         if bar is not None:
             bar.close()
@@ -539,13 +568,43 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
             log.close()
     seconds = time.perf_counter() - started
     final = out / "final"
-    _save_final(accelerator, model, tokenizer, final, mars_section(cfg, stage, mask_id, base), {
+    _save_final(accelerator, model, tokenizer, final, checkpoint_info(cfg, stage, mask_id, base), {
         "stage": stage, "objective": objective, "init": str(init), "steps": total, "seed": seed,
         "num_examples": n, "processes": world, "train": asdict(cfg), "final_step": last,
     })
     return TrainResult(stage=stage, objective=objective, steps=total, final_dir=final, metrics_path=metrics_path,
                        final_loss=float(last.get("loss", float("nan"))), seconds=seconds,
                        tokens_per_s=tokens_seen / max(seconds, 1e-9))
+
+
+def _init_as_final(accelerator, cfg: TrainConfig, stage: str, init, out: Path, metrics_path: Path,
+                   seed: int) -> TrainResult:
+    """A stage left out (``train.sft.enabled: false``): ``init`` is its final model, after 0 steps.
+
+    The checkpoint gets the ``config.mars`` record an AR checkpoint has (its mask token, the B it is
+    decoded at), the metrics file a header, the steps folder exists: downstream stages read it alike.
+    """
+    from mars.core.mask_token import mask_token_id
+    from mars.core.models import load_model
+
+    if accelerator.is_main_process:
+        model, tokenizer = load_model(init)
+        info = checkpoint_info(cfg, stage, mask_token_id(model, tokenizer), str(init))
+        info.write_to(model.config)
+        with atomic_dir(out / "final") as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "mars_run.json").write_text(json.dumps(
+                {"stage": stage, "objective": OBJECTIVE[stage], "init": str(init), "steps": 0, "seed": seed,
+                 "skipped": f"train.{stage}.enabled is false: {init} is the {stage} checkpoint",
+                 "mars": info.to_dict()}, indent=2))
+        if (out / "steps").exists():
+            shutil.rmtree(out / "steps")
+        (out / "steps").mkdir(parents=True)
+        MetricsLog(metrics_path, 0).close()
+    accelerator.wait_for_everyone()
+    return TrainResult(stage=stage, objective=OBJECTIVE[stage], steps=0, final_dir=out / "final",
+                       metrics_path=metrics_path, final_loss=float("nan"), seconds=0.0, tokens_per_s=0.0)
 
 
 class _TiedWeightsNote(logging.Filter):
@@ -558,7 +617,7 @@ class _TiedWeightsNote(logging.Filter):
 logging.getLogger("accelerate.utils.other").addFilter(_TiedWeightsNote())
 
 
-def _save_step(accelerator, out: Path, step: int, fingerprint: dict, keep: int) -> None:
+def _save_step(accelerator, out: Path, step: int, fingerprint: dict, scheduler: dict, keep: int) -> None:
     dest = step_dir(out, step)
     tmp = dest.with_name(f".tmp-{dest.name}")
     if accelerator.is_main_process and tmp.exists():
@@ -568,48 +627,23 @@ def _save_step(accelerator, out: Path, step: int, fingerprint: dict, keep: int) 
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         # the state file is the completion marker: written last, then the folder is renamed into place
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, "fingerprint": fingerprint}, indent=2))
+        state = {"step": step, "fingerprint": fingerprint, "scheduler": scheduler}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         replace_dir(tmp, dest)
         for old in complete_checkpoints(out)[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
 
 
-def _save_final(accelerator, model, tokenizer, final: Path, mars: dict, run: dict) -> None:
+def _save_final(accelerator, model, tokenizer, final: Path, info: CheckpointInfo, run: dict) -> None:
     accelerator.wait_for_everyone()
     state = accelerator.get_state_dict(model)  # gathers FSDP / ZeRO shards; every process must call it
     if accelerator.is_main_process:
         state = {k.removeprefix("lm."): v for k, v in state.items()}
         unwrapped = accelerator.unwrap_model(model).lm
-        unwrapped.config.mars = mars
+        info.write_to(unwrapped.config)
         with atomic_dir(final) as tmp:
             unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
-            (tmp / "mars_run.json").write_text(json.dumps({**run, "mars": mars}, indent=2, default=str))
+            (tmp / "mars_run.json").write_text(json.dumps({**run, "mars": info.to_dict()}, indent=2, default=str))
     accelerator.wait_for_everyone()
-
-
-# -------------------------------------------------------------------------------------------- CLI
-def cli(argv: list[str], verb: str = "train") -> int:
-    from mars.config import add_params_arguments, params_from_args
-
-    parser = argparse.ArgumentParser(prog=f"mars {verb}", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", required=True, choices=STAGES)
-    parser.add_argument("--init", required=True, help="checkpoint to start from (base model or SFT final)")
-    parser.add_argument("--data", required=True, help="prepared data folder (mars prepare)")
-    parser.add_argument("--out", required=True, help="run folder: steps/ checkpoints and final/ model")
-    parser.add_argument("--resume", default="auto", help="no | auto (latest step checkpoint in OUT) | PATH")
-    parser.add_argument("--metrics", help="per-step TSV (default metrics/train_<stage>.tsv)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_params_arguments(parser)
-    args = parser.parse_args(argv)
-    params = params_from_args(args)
-    cfg = load_train_config(params)
-    examples, meta = load_examples(args.data, cfg.max_length)
-    result = train(cfg, stage=args.stage, init=args.init, examples=examples, out=args.out, resume=args.resume,
-                   metrics_path=args.metrics, seed=int(params.get("seed", 0)), progress=not args.no_progress,
-                   data_meta=meta)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"train {result.stage}: {result.steps} steps, final loss {result.final_loss:.4f}, "
-              f"{result.seconds:.1f} s, {result.tokens_per_s:.0f} tokens/s -> {result.final_dir}")
-    return 0
