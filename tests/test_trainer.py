@@ -343,3 +343,35 @@ def test_two_gloo_processes_follow_the_single_process_loss_curve(init_dir, prepa
     w2 = load_file(tmp_path / "two" / "final" / "model.safetensors")
     assert sorted(w1) == sorted(w2)
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
+
+
+def test_resume_refuses_a_checkpoint_holding_a_crafted_pickle(init_dir, tmp_path):
+    """A pickle that runs code when loaded, planted in a step checkpoint: refused, and it never runs."""
+    data = copy_examples(32)
+    cfg = config(save_every=2, sft={"max_steps": 3})
+    out = tmp_path / "run"
+    train(cfg, stage="sft", init=init_dir, examples=data, out=out, metrics_path=tmp_path / "r.tsv", progress=False)
+    step = complete_checkpoints(out)[-1]
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    for name in ("random_states_0.pkl", "custom_checkpoint_0.pkl"):  # one accelerate reads, one it would skip
+        planted = step / name
+        original = planted.read_bytes() if planted.exists() else None
+        torch.save({"state": Payload()}, planted)
+        with pytest.raises(MarsError, match=f"{name}.*refusing to resume"):
+            train(cfg, stage="sft", init=init_dir, examples=data, out=out, resume=str(step), progress=False,
+                  metrics_path=tmp_path / "r.tsv")
+        with pytest.raises(MarsError, match="refusing to resume"):  # auto finds it too: refused, not started over
+            train(cfg, stage="sft", init=init_dir, examples=data, out=out, progress=False,
+                  metrics_path=tmp_path / "r.tsv")
+        assert not marker.exists()
+        if original is None:
+            planted.unlink()
+        else:
+            planted.write_bytes(original)
+    state = json.loads((step / "trainer_state.json").read_text())
+    assert state["scheduler"]["last_epoch"] == 2  # the scheduler travels as plain JSON
