@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from mars.config import add_params_arguments, params_from_args, section
+from mars.cli.options import add_params_arguments, params_from_args, stand_in_from_params
+from mars.config import section
 from mars.decoding.onnx_backend import ExportedBlock
-from mars.release.export import ExportConfig, block_forward, example_inputs, export_checkpoint, stand_in_checkpoint
+from mars.release.export import ExportConfig, block_forward, example_inputs, export_checkpoint
 from mars.core.models import load_model
 
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 checkpoint = Path("checkpoints/mars/final")
             else:
                 print("bench_export: no export or MARS checkpoint here; using the default base model", file=sys.stderr)
-                checkpoint = stand_in_checkpoint(params, Path(tmp) / "checkpoint")
+                checkpoint = stand_in_from_params(params, Path(tmp) / "checkpoint")
         if export_dir is None:
             export_dir = Path(tmp) / "export"
             cfg.tensorrt = False

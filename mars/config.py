@@ -5,21 +5,24 @@ profile. ``profile: NAME`` selects ``profiles.NAME``, a partial copy of the sect
 over the top-level ones, so ``dvc exp run -S profile=smollm2`` switches everything at once and
 ``dvc exp run -S train.lr=1e-3`` changes one knob of the default profile.
 
-Each concern owns one dataclass (``TrainConfig`` in the trainer, ``DecodeConfig`` in the decoder ...);
-:func:`section` builds it from a section, checking every key and type and naming the key on error.
-Semantic checks live in each dataclass's ``__post_init__`` and raise :class:`ConfigError`.
+Each concern owns one dataclass (``TrainConfig`` in the trainer, ``DecodeConfig`` in the decoder ...)
+whose defaults are the top-level values of params.yaml (tests/test_config.py holds them equal).
+:func:`build` validates a section into it with pydantic, strictly (no bool for a number, no string
+for an integer), and names the dotted key on error. Semantic checks live in each dataclass's
+``__post_init__`` and raise :class:`ConfigError` with a message that starts with the field's name.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
+import functools
 import json
+import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Any, TypeVar
 
 import yaml
 
@@ -27,6 +30,18 @@ from mars.errors import ConfigError
 
 DEFAULT_PARAMS = Path("params.yaml")
 T = TypeVar("T")
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 floats: PyYAML (YAML 1.1) reads ``3e-3``, as ``dvc exp run -S`` writes it, as a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -43,7 +58,7 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected section.key=value")
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw)
+    return key.strip().split("."), load_yaml(raw)
 
 
 def resolve(raw: dict, overrides: typing.Iterable[str] = (), source: str = "params.yaml") -> dict:
@@ -69,7 +84,7 @@ def load_params(path: str | Path = DEFAULT_PARAMS, overrides: typing.Iterable[st
     """Read params.yaml, apply overrides and the profile; a missing or malformed file is a ConfigError."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such params file (run from the project root or pass --params)") from None
     except yaml.YAMLError as err:
@@ -79,89 +94,67 @@ def load_params(path: str | Path = DEFAULT_PARAMS, overrides: typing.Iterable[st
     return resolve(raw, overrides, source=str(path))
 
 
-def _check(value: Any, hint: Any, key: str) -> Any:
-    """Return ``value`` converted to ``hint`` where that is lossless (int -> float), else raise."""
-    origin = get_origin(hint)
-    if hint is Any:
-        return value
-    if origin is Literal:
-        if value not in get_args(hint):
-            choices = " | ".join(map(str, get_args(hint)))
-            raise ConfigError(f"{key}: expected one of {choices}, got {value!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for arm in get_args(hint):
-            if arm is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return _check(value, arm, key)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {hint}")
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        (item,) = get_args(hint)[:1] or (Any,)
-        return [_check(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        kt, vt = get_args(hint) or (Any, Any)
-        return {_check(k, kt, key): _check(v, vt, f"{key}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(hint):
-        return build(hint, value, key)
-    if hint is float:
-        if isinstance(value, str):
-            # YAML 1.1 (PyYAML, and what `dvc exp run -S` writes) reads 3e-3 as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    return value
+# pydantic error type -> what the key should have held
+_EXPECTED = {
+    "int_type": "an integer", "float_type": "a number", "bool_type": "true or false", "string_type": "a string",
+    "list_type": "a list", "dict_type": "a mapping", "dataclass_type": "a mapping", "dataclass_exact_type": "a mapping",
+}
+
+
+@functools.cache
+def _schema(cls: Any):
+    from pydantic import ConfigDict, create_model
+
+    # The config reaches nested stdlib dataclasses too, so the library's classes need no pydantic.
+    return create_model(f"Section_{getattr(cls, '__name__', 'value')}", __config__=ConfigDict(extra="forbid"),
+                        value=(cls, ...))
+
+
+def _field_type(hint: Any, loc: tuple) -> Any:
+    """The type at ``loc`` inside ``hint`` (dataclass fields by name; list items and dict values by key)."""
+    for part in loc:
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            hint = next(arm for arm in typing.get_args(hint) if arm is not type(None))
+        if dataclasses.is_dataclass(hint):
+            hint = typing.get_type_hints(hint).get(part, Any)
+        else:
+            hint = (typing.get_args(hint) or (Any,))[-1]
+    return hint
+
+
+def _describe(error: dict, cls: Any, key: str) -> str:
+    loc = error["loc"][1:]  # drop the wrapper's "value"
+    where = key + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+    kind = error["type"]
+    if kind == "value_error":  # a __post_init__ check: its message starts with the field, relative to where
+        return f"{where}.{error['ctx']['error']}"
+    if kind == "unexpected_keyword_argument":
+        parent, name = where.rsplit(".", 1)
+        known = ", ".join(f.name for f in dataclasses.fields(_field_type(cls, loc[:-1])) if f.init)
+        return f"{parent}: unknown key {name!r} (known: {known})"
+    if kind == "missing_argument":
+        return f"{where}: missing required key"
+    if kind == "literal_error":
+        return f"{where}: expected {error['ctx']['expected']}, got {error['input']!r}"
+    if kind in _EXPECTED:
+        return f"{where}: expected {_EXPECTED[kind]}, got {error['input']!r}"
+    return f"{where}: {error['msg']}, got {error['input']!r}"
 
 
 def build(cls: type[T], data: Any, key: str) -> T:
-    """Build dataclass ``cls`` from a mapping; unknown keys and wrong types name ``key.field``."""
-    if data is None:
+    """``data`` (a section of params) as ``cls``; unknown keys, wrong types and failed checks name the key.
+
+    ``cls`` is a dataclass (a missing section gives its defaults) or a plain type such as ``int``.
+    """
+    from pydantic import ValidationError
+
+    if data is None and dataclasses.is_dataclass(cls):
         data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{key}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"{key}: unknown key(s) {', '.join(unknown)} (known: {', '.join(fields)})")
-    kwargs = {name: _check(value, hints[name], f"{key}.{name}") for name, value in data.items()}
-    missing = [
-        name
-        for name, f in fields.items()
-        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise ConfigError(f"{key}: missing required key(s) {', '.join(missing)}")
     try:
-        return cls(**kwargs)
-    except ConfigError as err:
-        msg = str(err)
-        raise ConfigError(msg if msg.startswith(key) else f"{key}.{msg}") from None
+        # Strict JSON mode: mappings become dataclasses, and no value changes type on the way.
+        return _schema(cls).model_validate_json(json.dumps({"value": data}, default=str), strict=True).value
+    except ValidationError as err:
+        raise ConfigError("; ".join(_describe(e, cls, key) for e in err.errors())) from None
 
 
 def section(params: dict, name: str, cls: type[T]) -> T:
@@ -170,32 +163,3 @@ def section(params: dict, name: str, cls: type[T]) -> T:
     for part in name.split("."):
         node = node.get(part) if isinstance(node, dict) else None
     return build(cls, node, name)
-
-
-def as_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def add_params_arguments(parser: argparse.ArgumentParser) -> None:
-    """The two options every stage verb takes to read its params."""
-    parser.add_argument("--params", default=str(DEFAULT_PARAMS), help="params file (default: params.yaml)")
-    parser.add_argument(
-        "-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override one param, as `dvc exp run -S` does (repeatable)",
-    )
-
-
-def params_from_args(args: argparse.Namespace) -> dict:
-    return load_params(args.params, args.overrides)
-
-
-def cli(argv: list[str], verb: str = "params") -> int:
-    parser = argparse.ArgumentParser(prog=f"mars {verb}", description="Print params.yaml as the stages see it.")
-    add_params_arguments(parser)
-    parser.add_argument("--section", help="print one section only")
-    args = parser.parse_args(argv)
-    params = params_from_args(args)
-    if args.section:
-        params = {args.section: params.get(args.section)}
-    print(json.dumps(params, indent=2, sort_keys=False))
-    return 0

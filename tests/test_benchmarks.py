@@ -55,15 +55,14 @@ def test_registry_knows_the_built_in_benchmarks_and_plugins():
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """A real (small) base + prepared data, built by the base and prepare stages."""
-    from mars.training import data
-    from mars.training import base as tiny
+    from mars.cli import base as base_cli, prepare as prepare_cli
     root = tmp_path_factory.mktemp("prepared")
     params = ["--params", str(Path(__file__).parents[1] / "params.yaml"),
               "-S", "model.tiny.tokenizer_corpus=200", "-S", "model.tiny.vocab_size=300",
               "-S", "model.tiny.hidden_size=32", "-S", "model.tiny.num_hidden_layers=1",
               "-S", "model.tiny.intermediate_size=64", "-S", "data.n_train=16", "-S", "data.n_heldout=24"]
-    assert tiny.cli(params + ["--out", str(root / "base")]) == 0
-    assert data.cli(params + ["--base", str(root / "base"), "--out", str(root / "data")]) == 0
+    assert base_cli.main(params + ["--out", str(root / "base")]) == 0
+    assert prepare_cli.main(params + ["--base", str(root / "base"), "--out", str(root / "data")]) == 0
     return root
 
 

@@ -46,7 +46,7 @@ def test_exponent_floats_that_yaml_1_1_reads_as_strings_are_numbers():
 @pytest.mark.parametrize("override,message", [
     ("train.lr=fast", "train.lr: expected a number"),
     ("train.steps=2.5", "train.steps: expected an integer"),
-    ("train.mode=sometimes", "train.mode: expected one of fixed | random"),
+    ("train.mode=sometimes", "train.mode: expected 'fixed' or 'random', got 'sometimes'"),
     ("train.epochs=3", "train: unknown key"),
     ("train.steps=0", "train.steps: must be >= 1"),
     ("profile=huge", "profile: unknown profile 'huge'"),

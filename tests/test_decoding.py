@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from mars.decoding.loop import GenerationResult, accept, cli, generate
+from mars.cli.generate import main as generate_cli
+from mars.decoding.loop import GenerationResult, accept, generate
 from mars.errors import MarsError
 from mars.decoding.torch_backend import RowCache, TorchBackend
 
@@ -493,9 +494,9 @@ def test_cli_generate_json(smollm2_dir, tmp_path, capsys):
     argv = ["--model", str(tmp_path / "ckpt"), "--tau", "0.8", "--max-new-tokens", "6", "--json",
             "--params", str(tmp_path / "none.yaml"), CHAT[0], CHAT[1]]
     with pytest.raises(MarsError, match="none.yaml"):
-        cli(argv)
+        generate_cli(argv)
     (tmp_path / "none.yaml").write_text("decode: {batch_size: 2}\n")
-    assert cli(argv) == 0
+    assert generate_cli(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["prompt"] for line in lines] == CHAT
     for line in lines:
@@ -504,7 +505,7 @@ def test_cli_generate_json(smollm2_dir, tmp_path, capsys):
         assert line["text"] == tokenizer.decode(line["token_ids"], skip_special_tokens=True)
     (tmp_path / "none.yaml").write_text("decode: {tau: 2.0}\n")
     with pytest.raises(MarsError, match="decode.tau"):
-        cli(argv)
+        generate_cli(argv)
 
 
 def test_bench_reports_medians_speedups_and_ceiling_against_hf():

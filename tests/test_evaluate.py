@@ -10,6 +10,7 @@ import torch
 
 from mars.evaluation import benchmarks
 
+from mars.cli import evaluate as evaluate_cli
 from mars.evaluation import evaluate
 from mars.evaluation.benchmarks import Benchmark, BenchmarkConfig, Item
 from mars.errors import ConfigError
@@ -129,7 +130,7 @@ def test_the_cli_reads_params_and_checkpoints(ar_checkpoint, tmp_path):
     params.write_text(
         "evaluate:\n  taus: [1.0]\n  benchmarks:\n    toy: {n: 3, max_new_tokens: 4}\n"
     )
-    rc = evaluate.cli(["--params", str(params), "--checkpoint", f"sft={ar_checkpoint}", "--out", str(tmp_path / "e"),
+    rc = evaluate_cli.main(["--params", str(params), "--checkpoint", f"sft={ar_checkpoint}", "--out", str(tmp_path / "e"),
                        "--metrics", str(tmp_path / "m.json"), "--train-metrics", str(tmp_path / "none")])
     assert rc == 0
     assert list(json.loads((tmp_path / "m.json").read_text())) == ["sft/toy/tau=1.0"]
@@ -137,7 +138,7 @@ def test_the_cli_reads_params_and_checkpoints(ar_checkpoint, tmp_path):
 
 def test_bad_arguments_and_config_are_named():
     with pytest.raises(ConfigError, match="NAME=DIR"):
-        evaluate._parse_checkpoints(["checkpoints/mars"])
+        evaluate_cli.parse_checkpoints(["checkpoints/mars"])
     with pytest.raises(ConfigError, match="taus"):
         EvalConfig(taus=[1.5])
     with pytest.raises(ConfigError, match="none is enabled"):

@@ -1,6 +1,6 @@
 """The Prefect flow against a real local Prefect server and the real `dvc`.
 
-Fast tests drive a small DVC project whose stages are `mars params` and short Python scripts (gate and
+Fast tests drive a small DVC project whose stages are `mars --version` and short Python scripts (gate and
 promote included), so every path of the flow (order, streamed logs, failure, gate rejection, retry,
 resume, params restore, artifact) runs in seconds. The slow test runs the real tiny pipeline once,
 with the artifact store and the DVC remote on SeaweedFS, and checks promotion, the no-op re-run,
@@ -148,7 +148,7 @@ print(f"promoted on attempt {n}", flush=True)
 TOY_DVC = """\
 stages:
   base:
-    cmd: mars params --section seed > base.json && echo 'base - wrote base.json'
+    cmd: mars --version > base.json && echo 'base - wrote base.json'
     params: [profile, "profiles.${profile}", seed]
     outs: [base.json]
   evaluate:

@@ -8,6 +8,7 @@ import pytest
 
 from mars.evaluation import evaluate
 
+from mars.cli import gate as gate_cli
 from mars.evaluation import gate
 from mars.errors import ConfigError, MarsError
 from mars.evaluation.gate import GateConfig, Override, decide
@@ -28,8 +29,13 @@ def metrics(**scores) -> dict:
     return out
 
 
+def at_tau1(**over) -> GateConfig:
+    """A gate with the tau = 1.0 checks only (params.yaml's also checks speed at tau 0.9)."""
+    return GateConfig(**{"speed_tau": None, "max_score_drop": None, **over})
+
+
 def test_passes_when_mars_matches_the_baseline_within_tolerance():
-    d = decide(metrics(mars_a=0.50, ar_control_a=0.51, mars_b=0.80, ar_control_b=0.79), GateConfig(tolerance=0.02))
+    d = decide(metrics(mars_a=0.50, ar_control_a=0.51, mars_b=0.80, ar_control_b=0.79), at_tau1(tolerance=0.02))
     assert d["passed"] and d["checks_passed"] and not d["overridden"]
     names = [c["name"] for c in d["checks"]]
     assert names == ["a", "b", "average"]
@@ -37,7 +43,7 @@ def test_passes_when_mars_matches_the_baseline_within_tolerance():
 
 
 def test_one_benchmark_worse_than_the_tolerance_fails():
-    d = decide(metrics(mars_a=0.40, ar_control_a=0.51, mars_b=0.95, ar_control_b=0.79), GateConfig(tolerance=0.02))
+    d = decide(metrics(mars_a=0.40, ar_control_a=0.51, mars_b=0.95, ar_control_b=0.79), at_tau1(tolerance=0.02))
     assert not d["passed"]
     assert [c["name"] for c in d["checks"] if not c["passed"]] == ["a"]  # the average alone would pass
     assert "a: mars 0.4000 < ar_control 0.5100" in d["failures"][0]
@@ -45,40 +51,40 @@ def test_one_benchmark_worse_than_the_tolerance_fails():
 
 def test_the_average_has_its_own_tolerance():
     m = metrics(mars_a=0.49, ar_control_a=0.51, mars_b=0.77, ar_control_b=0.79)
-    assert decide(m, GateConfig(tolerance=0.02))["passed"]
-    d = decide(m, GateConfig(tolerance=0.02, average_tolerance=0.01))
+    assert decide(m, at_tau1(tolerance=0.02))["passed"]
+    d = decide(m, at_tau1(tolerance=0.02, average_tolerance=0.01))
     assert not d["passed"] and [c["name"] for c in d["checks"] if not c["passed"]] == ["average"]
 
 
 def test_the_baseline_is_a_param():
     m = metrics(mars_a=0.50, ar_control_a=0.60, sft_a=0.50)
-    assert not decide(m, GateConfig())["passed"]
-    assert decide(m, GateConfig(baseline="sft"))["passed"]
+    assert not decide(m, at_tau1())["passed"]
+    assert decide(m, at_tau1(baseline="sft"))["passed"]
 
 
 def test_missing_metrics_fail_instead_of_passing_silently():
-    d = decide(metrics(mars_a=0.5, ar_control_a=0.5, ar_control_b=0.5), GateConfig())
+    d = decide(metrics(mars_a=0.5, ar_control_a=0.5, ar_control_b=0.5), at_tau1())
     assert not d["passed"] and "mars/b/tau=1.0" in d["failures"][0]
-    assert not decide({}, GateConfig())["passed"]
+    assert not decide({}, at_tau1())["passed"]
 
 
 def test_speed_checks_at_a_named_tau():
     m = metrics(mars_a=0.5, ar_control_a=0.5)
     m["mars/a/tau=0.9"] = entry(0.45, tau=0.9, tokens=150, forwards=100)
     cfg = dict(speed_tau=0.9)
-    assert decide(m, GateConfig(min_tokens_per_forward=1.4, max_score_drop=0.1, **cfg))["passed"]
-    slow = decide(m, GateConfig(min_tokens_per_forward=1.6, **cfg))
+    assert decide(m, at_tau1(min_tokens_per_forward=1.4, max_score_drop=0.1, **cfg))["passed"]
+    slow = decide(m, at_tau1(min_tokens_per_forward=1.6, **cfg))
     assert not slow["passed"] and slow["checks"][-1]["name"] == "tokens_per_forward"
     assert slow["checks"][-1]["value"] == pytest.approx(1.5)
-    wrong = decide(m, GateConfig(max_score_drop=0.02, **cfg))
+    wrong = decide(m, at_tau1(max_score_drop=0.02, **cfg))
     assert not wrong["passed"] and wrong["checks"][-1]["name"] == "score_at_speed_tau"
     with pytest.raises(ConfigError, match="speed_tau"):
-        GateConfig(min_tokens_per_forward=1.5)
+        GateConfig(speed_tau=None, min_tokens_per_forward=1.5)
 
 
 def test_an_override_passes_a_failed_gate_and_is_recorded():
     m = metrics(mars_a=0.1, ar_control_a=0.5)
-    d = decide(m, GateConfig(override=Override(True, "hotfix for the demo", "alice")))
+    d = decide(m, at_tau1(override=Override(True, "hotfix for the demo", "alice")))
     assert d["passed"] and not d["checks_passed"] and d["overridden"]
     assert d["override"] == {"enabled": True, "reason": "hotfix for the demo", "by": "alice"}
     with pytest.raises(ConfigError, match="reason"):
@@ -91,16 +97,16 @@ def test_cli_writes_the_decision_and_exits_nonzero_on_failure(tmp_path, capsys):
     eval_json = tmp_path / "eval.json"
     eval_json.write_text(json.dumps(metrics(mars_a=0.3, ar_control_a=0.5)))
     out = tmp_path / "gate.json"
-    assert gate.cli(["--params", str(params), "--metrics", str(eval_json), "--out", str(out)]) == 1
+    assert gate_cli.main(["--params", str(params), "--metrics", str(eval_json), "--out", str(out)]) == 1
     decision = json.loads(out.read_text())
     assert decision["passed"] is False and decision["metrics_sha256"] and decision["checks"][0]["value"] == 0.3
     assert "gate FAILED" in capsys.readouterr().err
-    assert gate.cli(["--params", str(params), "--metrics", str(eval_json), "--out", str(out),
+    assert gate_cli.main(["--params", str(params), "--metrics", str(eval_json), "--out", str(out),
                      "--override", "known regression, tracked", "--override-by", "bob"]) == 0
     decision = json.loads(out.read_text())
     assert decision["passed"] and decision["overridden"] and decision["override"]["by"] == "bob"
     with pytest.raises(MarsError, match="no evaluation metrics"):
-        gate.cli(["--params", str(params), "--metrics", str(tmp_path / "none.json"), "--out", str(out)])
+        gate_cli.main(["--params", str(params), "--metrics", str(tmp_path / "none.json"), "--out", str(out)])
 
 
 # ---- on real evaluations of tiny checkpoints --------------------------------------------------------
@@ -120,7 +126,7 @@ def evaluated(tmp_path_factory):
 
 def test_a_plain_ar_checkpoint_passes_at_tau_1_but_fails_the_speed_gate(evaluated):
     # At tau = 1.0 it is the baseline itself, so only the check below tau = 1.0 can stop it.
-    assert decide(evaluated, GateConfig(candidate="ar_as_mars"))["passed"]
+    assert decide(evaluated, at_tau1(candidate="ar_as_mars"))["passed"]
     d = decide(evaluated, GateConfig(candidate="ar_as_mars", speed_tau=0.9, min_tokens_per_forward=1.2,
                                      max_score_drop=0.1))
     assert not d["passed"]
@@ -129,6 +135,6 @@ def test_a_plain_ar_checkpoint_passes_at_tau_1_but_fails_the_speed_gate(evaluate
 
 
 def test_a_broken_mars_checkpoint_fails_at_tau_1(evaluated):
-    d = decide(evaluated, GateConfig(candidate="broken"))
+    d = decide(evaluated, at_tau1(candidate="broken"))
     assert not d["passed"]
     assert {c["name"] for c in d["checks"] if not c["passed"]} == {"toy", "average"}

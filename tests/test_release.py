@@ -20,7 +20,8 @@ import pytest
 from s3_server import REPO, launch, use_server
 
 from mars.core.digest import sha256_tree
-from mars.release.promote import (IntegrityError, ReleaseError, cli, list_releases, manifest_key, pointer_key, promote,
+from mars.cli.promote import main as promote_cli
+from mars.release.promote import (IntegrityError, ReleaseError, list_releases, manifest_key, pointer_key, promote,
                           pull, rollback)
 from mars.release.store import StoreConfig, object_key, open_store
 
@@ -119,7 +120,7 @@ def test_promote_pull_history_and_rollback(store_uri, tmp_path):
     assert (pointer["version"], pointer["previous"]) == ("v1", None)
 
     dest = tmp_path / "service" / "model"
-    assert cli(["mars", "--stage", "prod", "--to", str(dest), "--store", store_uri, "--params",
+    assert promote_cli(["mars", "--stage", "prod", "--to", str(dest), "--store", store_uri, "--params",
                 str(REPO / "params.yaml")], verb="pull") == 0
     assert pulled_tree(dest) == expected_tree(first)
     manifest = json.loads((dest / "release.json").read_bytes())

@@ -15,8 +15,8 @@ from s3_server import use_server
 
 from mars.config import ConfigError, load_params
 from mars.core.digest import sha256_file
-from mars.release.store import (IntegrityError, NotFound, StoreConfig, StoreError, configure_dvc, object_key, open_store,
-                                store_config)
+from mars.cli.options import store_config
+from mars.release.store import (IntegrityError, NotFound, StoreConfig, StoreError, configure_dvc, object_key, open_store)
 
 MB = 1024 * 1024
 

@@ -21,7 +21,8 @@ from conftest import tiny_model
 from safetensors.torch import load_file
 
 from mars.errors import ConfigError, MarsError
-from mars.training.trainer import (DataOrder, TrainConfig, complete_checkpoints, load_train_config, shard, train)
+from mars.config import build, load_params, section
+from mars.training.trainer import DataOrder, TrainConfig, complete_checkpoints, shard, train
 
 VOCAB = 96
 SPECIALS = ["<pad>", "</s>", "<|mask|>"]
@@ -85,7 +86,7 @@ def config(**over) -> TrainConfig:
     base = dict(lr=3e-3, warmup_ratio=0.0, batch_size=8, save_every=1000, max_length=64, threads=1,
                 sft={"max_steps": 12}, mars={"max_steps": 12, "block_size": 4}, ar_control={"same_steps_as": "mars"})
     base.update(over)
-    return load_train_config({"train": base})
+    return build(TrainConfig, base, "train")
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +102,8 @@ def rows(path: Path) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------- config
 def test_params_yaml_train_section_is_valid_for_every_profile():
-    from mars.config import load_params
-
     for profile in ("tiny", "smollm2", "qwen2_5_0_5b", "qwen2_5_7b"):
-        cfg = load_train_config(load_params(ROOT / "params.yaml", [f"profile={profile}"]))
+        cfg = section(load_params(ROOT / "params.yaml", [f"profile={profile}"]), "train", TrainConfig)
         assert cfg.ar_control.same_steps_as == "mars"
         assert cfg.total_steps("ar_control", 1000) == cfg.total_steps("mars", 1000)
 
@@ -120,7 +119,7 @@ def test_params_yaml_train_section_is_valid_for_every_profile():
 ])
 def test_bad_train_params_name_the_key(over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_train_config({"train": over})
+        build(TrainConfig, over, "train")
 
 
 @pytest.mark.parametrize("group", [False, True])

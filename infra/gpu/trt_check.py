@@ -25,9 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from mars.config import add_params_arguments, params_from_args, section
+from mars.cli.options import add_params_arguments, params_from_args, stand_in_from_params
+from mars.config import section
 from mars.errors import MarsError
-from mars.release.export import ExportConfig, export_checkpoint, stand_in_checkpoint, tensorrt_unavailable_reason
+from mars.release.export import ExportConfig, export_checkpoint, tensorrt_unavailable_reason
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = Path(args.checkpoint)
         if not (checkpoint / "config.json").is_file():
             print(f"{checkpoint}: no checkpoint; building a stand-in (profile base model, random weights)")
-            checkpoint = stand_in_checkpoint(params, Path(tmp) / "checkpoint")
+            checkpoint = stand_in_from_params(params, Path(tmp) / "checkpoint")
         out = Path(args.out) if args.out else Path(tmp) / "export"
         try:
             manifest = export_checkpoint(checkpoint, out, cfg)

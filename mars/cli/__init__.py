@@ -1,7 +1,9 @@
-"""The ``mars`` command: one verb per pipeline stage.
+"""The ``mars`` command: one verb per pipeline stage, and the only place that parses argv or params.yaml.
 
-Each verb lives in its own module, which exposes ``cli(argv: list[str]) -> int`` and parses its own
-arguments. Modules are imported only when their verb runs: importing transformers costs ~10 s here.
+Each verb has a module here (``mars.cli.train`` for ``mars train`` ...) with ``main(argv, verb) -> int``;
+it reads its options and params sections into the library's typed configs, calls the library and
+prints the result. A verb's module is imported only when the verb runs: importing transformers
+costs ~10 s here, and ``mars --help`` should not pay it.
 """
 
 from __future__ import annotations
@@ -9,20 +11,20 @@ from __future__ import annotations
 import importlib
 import sys
 
-# verb -> (module, one-line help). The module's ``cli`` owns the verb's arguments.
+# verb -> (module, one-line help). The module's ``main`` owns the verb's arguments.
 VERBS: dict[str, tuple[str, str]] = {
-    "base": ("mars.training.base", "build the base model of a profile (tiny: tokenizer + random init; smollm2: GGUF -> safetensors)"),
-    "prepare": ("mars.training.data", "tokenize instruction data into B-independent dual-stream shards + stats"),
-    "train": ("mars.training.trainer", "train one stage: sft (AR), mars (MARS) or ar_control (AR continued)"),
-    "generate": ("mars.decoding.loop", "decode prompts with a MARS checkpoint at block size B and threshold tau"),
-    "bench-decode": ("mars.decoding.speed", "side-by-side decoding speed against HF generate with KV cache"),
-    "evaluate": ("mars.evaluation.evaluate", "score checkpoints on benchmarks over a tau sweep; metrics, plots, report"),
-    "gate": ("mars.evaluation.gate", "decide promotion: MARS at tau=1.0 vs the AR baseline"),
-    "export": ("mars.release.export", "export the fixed-B block forward to ONNX (and TensorRT where CUDA is present)"),
-    "promote": ("mars.release.promote", "publish a gated release to the artifact store and move the stage pointer"),
-    "pull": ("mars.release.promote", "fetch and verify a promoted release into a directory"),
-    "store": ("mars.release.store", "list releases in the artifact store; point the DVC remote at it (configure-dvc)"),
-    "params": ("mars.config", "show or validate params.yaml as the stages see it"),
+    "base": ("mars.cli.base", "build the base model of a profile (tiny: tokenizer + random init; smollm2: GGUF -> safetensors)"),
+    "prepare": ("mars.cli.prepare", "tokenize instruction data into B-independent dual-stream shards + stats"),
+    "train": ("mars.cli.train", "train one stage: sft (AR), mars (MARS) or ar_control (AR continued)"),
+    "generate": ("mars.cli.generate", "decode prompts with a MARS checkpoint at block size B and threshold tau"),
+    "bench-decode": ("mars.cli.bench_decode", "side-by-side decoding speed against HF generate with KV cache"),
+    "evaluate": ("mars.cli.evaluate", "score checkpoints on benchmarks over a tau sweep; metrics, plots, report"),
+    "gate": ("mars.cli.gate", "decide promotion: MARS at tau=1.0 vs the AR baseline"),
+    "export": ("mars.cli.export", "export the fixed-B block forward to ONNX (and TensorRT where CUDA is present)"),
+    "promote": ("mars.cli.promote", "publish a gated release to the artifact store and move the stage pointer"),
+    "pull": ("mars.cli.promote", "fetch and verify a promoted release into a directory"),
+    "store": ("mars.cli.store", "list releases in the artifact store; point the DVC remote at it (configure-dvc)"),
+    "params": ("mars.cli.params", "show and validate params.yaml as the stages see it"),
 }
 
 
@@ -51,13 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     from mars.errors import MarsError
 
     try:
-        return int(module.cli(rest, verb=verb) or 0)
+        return int(module.main(rest, verb=verb) or 0)
     except MarsError as err:
         # Expected failures (bad params, missing files, unreachable store) get one clear line,
         # not a traceback.
         print(f"mars {verb}: error: {err}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

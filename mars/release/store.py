@@ -21,7 +21,6 @@ value that would reach a message is redacted.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -32,9 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from mars.config import ConfigError, add_params_arguments, params_from_args, section
 from mars.core.digest import sha256_bytes, sha256_file
-from mars.errors import MarsError
+from mars.errors import ConfigError, MarsError
 
 MB = 1024 * 1024
 OBJECTS = "objects/sha256"
@@ -98,15 +96,6 @@ class StoreConfig:
             value = getattr(self, key)
             if not value or "/" in value or value.startswith("."):
                 raise ConfigError(f"{key}: {value!r} must be a plain name (no '/', not starting with '.')")
-
-
-def store_config(params: dict, uri: str | None = None) -> StoreConfig:
-    """The ``store`` section; ``uri`` (a CLI flag) or $MARS_STORE_URI replaces ``store.uri``."""
-    cfg = section(params, "store", StoreConfig)
-    override = uri or os.environ.get("MARS_STORE_URI")
-    if override:
-        cfg = StoreConfig(**{**cfg.__dict__, "uri": override})
-    return cfg
 
 
 def object_key(sha256: str) -> str:
@@ -519,31 +508,3 @@ def configure_dvc(cfg: StoreConfig, repo: str | Path = ".", remote: str | None =
         if cfg.profile:
             dvc("remote", "modify", "--local", remote, "profile", cfg.profile)
     return url
-
-
-# -- CLI: `mars store` -------------------------------------------------------------------------------
-def cli(argv: list[str], verb: str = "store") -> int:
-    parser = argparse.ArgumentParser(prog=f"mars {verb}", description="Inspect the artifact store; wire DVC to it.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    conf = sub.add_parser("configure-dvc", help="point a DVC remote at <store>/dvc (dvc push/pull share the store)")
-    conf.add_argument("--repo", default=".", help="the DVC repository (default: .)")
-    conf.add_argument("--remote", help="remote name (default: store.dvc_remote)")
-    conf.add_argument("--no-default", action="store_true", help="do not make it the default remote")
-    ls = sub.add_parser("ls", help="list releases and stage pointers")
-    ls.add_argument("name", nargs="?", help="release name (default: all)")
-    for p in (conf, ls):
-        add_params_arguments(p)
-        p.add_argument("--store", help="store URI (default: $MARS_STORE_URI or store.uri)")
-    args = parser.parse_args(argv)
-    cfg = store_config(params_from_args(args), args.store)
-    if args.command == "configure-dvc":
-        url = configure_dvc(cfg, args.repo, args.remote, default=not args.no_default)
-        print(f"dvc remote {args.remote or cfg.dvc_remote} -> {url}")
-        return 0
-    from mars.release.promote import list_releases
-
-    store = open_store(cfg)
-    store.check()
-    for line in list_releases(store, args.name):
-        print(line)
-    return 0

@@ -14,13 +14,12 @@ count, vocabulary) into ``--out``, atomically.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mars.config import add_params_arguments, as_dict, params_from_args, section
 from mars.errors import ConfigError
 
 TINY = "tiny"
@@ -41,11 +40,11 @@ CHAT_TEMPLATE = (
 class TinyConfig:
     vocab_size: int = 1024  # BPE target incl. special tokens; the embedding gets spare rows on top
     tokenizer_corpus: int = 4000  # built-in suite training items the tokenizer is trained on
-    hidden_size: int = 128
-    num_hidden_layers: int = 4
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    intermediate_size: int = 384
+    intermediate_size: int = 192
     max_position_embeddings: int = 256
     rope_theta: float = 10000.0
     embedding_multiple: int = 64  # rows rounded up to a multiple of this, leaving spare rows
@@ -183,25 +182,12 @@ def read_base_json(model_dir: str | Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def cli(argv: list[str], verb: str = "base") -> int:
-    parser = argparse.ArgumentParser(prog=f"mars {verb}", description=__doc__.split("\n\n")[0])
-    add_params_arguments(parser)
-    parser.add_argument("--out", default="models/base", help="output directory (default: models/base)")
-    args = parser.parse_args(argv)
-    params = params_from_args(args)
-    cfg = section(params, "model", ModelConfig)
-    seed = params.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ConfigError(f"seed: expected an integer, got {seed!r}")
+def make_base(cfg: ModelConfig, seed: int, out: str | Path) -> dict:
+    """Build the base model of ``cfg`` and save it into ``out``; returns its ``base.json``."""
     start = time.perf_counter()
     model, tokenizer, info = build_base(cfg, seed)
     meta = describe(model, tokenizer, info, cfg.source, time.perf_counter() - start)
     meta["seed"] = seed
-    meta["config"] = as_dict(cfg) if cfg.source == TINY else {"source": cfg.source, "dtype": cfg.dtype}
-    save_base(model, tokenizer, meta, Path(args.out))
-    print(
-        f"base {cfg.source}: {meta['num_parameters']:,} parameters, vocab {meta['vocab_size']} "
-        f"(embedding rows {meta['embedding_rows']}), mask {info.token!r} id {info.token_id}"
-        f"{' (embedding resized)' if info.resized else ''} -> {args.out}"
-    )
-    return 0
+    meta["config"] = dataclasses.asdict(cfg) if cfg.source == TINY else {"source": cfg.source, "dtype": cfg.dtype}
+    save_base(model, tokenizer, meta, Path(out))
+    return meta

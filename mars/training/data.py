@@ -26,20 +26,17 @@ Output (written into a temp dir beside ``--out``, then swapped in): per split Pa
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
-import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from mars.training import suite
 from mars.core.atomic import atomic_dir, read_json
 from mars.core.digest import sha256_tree
-from mars.config import add_params_arguments, as_dict, params_from_args, section
 from mars.errors import ConfigError, DataError
 
 FORMAT_VERSION = 1
@@ -52,7 +49,7 @@ MAX_PROBLEMS_LISTED = 20  # per split, in stats.json; the counts cover every row
 @dataclass
 class DataConfig:
     source: str = BUILTIN  # builtin | path to .jsonl/.json/.parquet | datasets name or dataset dir
-    n_train: int | None = 4000  # builtin: items generated; other sources: cap on rows (null = all)
+    n_train: int | None = 12000  # builtin: items generated; other sources: cap on rows (null = all)
     n_heldout: int = 400  # held-out items (builtin: spread evenly over families)
     seed: int = 0
     families: list[str] | None = None  # builtin families to use (null = all)
@@ -425,7 +422,7 @@ def prepare(cfg: DataConfig, base: str | Path, out: str | Path) -> dict:
         "counts": {split: len(rows[split]) for split in SPLITS},
         "families": {split: dict(sorted(stats[split].families.items())) for split in SPLITS},
         "shards": {},
-        "config": as_dict(cfg),
+        "config": asdict(cfg),
     }
     stats_json = {"format_version": FORMAT_VERSION, "source": cfg.source, "max_length": cfg.max_length,
                   "overlong": cfg.overlong, "splits": {s: stats[s].to_dict() for s in SPLITS}}
@@ -479,28 +476,3 @@ def check_tokenizer(meta: dict, tokenizer) -> None:
                             f"prepare again with this base (data was prepared from {meta['base']})")
     if tokenizer.convert_tokens_to_ids(MASK_TOKEN) != meta["mask_token_id"]:
         raise DataError(f"prepared data has mask_token_id {meta['mask_token_id']}, the model's tokenizer differs")
-
-
-def _print_summary(meta: dict, stats_path: Path, seconds: float) -> None:
-    stats = json.loads(stats_path.read_text())["splits"]
-    for split in SPLITS:
-        s = stats[split]
-        tok = s["tokens"].get("total", {})
-        skipped = ", ".join(f"{k} {v}" for k, v in s["skipped"].items()) or "none"
-        print(f"{split}: {s['kept']} examples from {s['rows_read']} rows; tokens mean {tok.get('mean')} "
-              f"max {tok.get('max')}; truncated {s['truncated']}; skipped: {skipped}")
-    print(f"prepared {meta['source']} in {seconds:.1f}s (mask id {meta['mask_token_id']}, "
-          f"max_length {meta['max_length']})")
-
-
-def cli(argv: list[str], verb: str = "prepare") -> int:
-    parser = argparse.ArgumentParser(prog=f"mars {verb}", description=__doc__.split("\n\n")[0])
-    add_params_arguments(parser)
-    parser.add_argument("--base", default="models/base", help="base model dir from `mars base` (its tokenizer)")
-    parser.add_argument("--out", default="data/prepared", help="output directory (default: data/prepared)")
-    args = parser.parse_args(argv)
-    cfg = section(params_from_args(args), "data", DataConfig)
-    start = time.perf_counter()
-    meta = prepare(cfg, args.base, args.out)
-    _print_summary(meta, Path(args.out) / "stats.json", time.perf_counter() - start)
-    return 0

@@ -1,0 +1,44 @@
+"""``mars gate``: params ``gate`` (+ ``--override``) and metrics/eval.json -> :func:`mars.evaluation.gate.run_gate`.
+
+Exits 1 when the gate does not pass, so ``dvc repro`` and the flow stop there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import sys
+
+from mars.cli.options import add_params_arguments, params_from_args
+from mars.config import section
+from mars.errors import ConfigError
+
+
+def main(argv: list[str], verb: str = "gate") -> int:
+    from mars.evaluation import gate
+
+    parser = argparse.ArgumentParser(prog=f"mars {verb}", description=gate.__doc__.split("\n\n")[0])
+    add_params_arguments(parser)
+    parser.add_argument("--metrics", default="metrics/eval.json", help="evaluation metrics (mars evaluate)")
+    parser.add_argument("--out", default="metrics/gate.json", help="where the decision goes")
+    parser.add_argument("--eval-dir", help="mars evaluate's per-item outputs: adds paired standard errors")
+    parser.add_argument("--override", metavar="REASON", help="pass the gate anyway, recording REASON")
+    parser.add_argument("--override-by", metavar="WHO", help="who overrides (default: the current user)")
+    args = parser.parse_args(argv)
+    cfg = section(params_from_args(args), "gate", gate.GateConfig)
+    if args.override is not None:
+        cfg.override = gate.Override(True, args.override, args.override_by or getpass.getuser())
+    elif cfg.override.enabled and not cfg.override.by:
+        raise ConfigError("gate.override.by: an override must say who made it")
+    decision = gate.run_gate(args.metrics, args.out, cfg, eval_dir=args.eval_dir)
+    for c in decision["checks"]:
+        pair = (f"; delta {c['delta']:+.4f} +- {c['paired_se']:.4f} paired SE" if "paired_se" in c and "delta" in c
+                else "")
+        print(f"{'ok  ' if c['passed'] else 'FAIL'} {c['name']}: {c['value']:.4f} (limit {c['limit']:.4f}{pair})")
+    if decision["overridden"]:
+        print(f"gate OVERRIDDEN by {cfg.override.by}: {cfg.override.reason}", file=sys.stderr)
+    elif not decision["passed"]:
+        print("gate FAILED:\n  " + "\n  ".join(decision["failures"]), file=sys.stderr)
+    else:
+        print(f"gate passed: {cfg.candidate} vs {cfg.baseline} at tau={cfg.tau}")
+    return 0 if decision["passed"] else 1
