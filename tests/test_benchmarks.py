@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mars.evaluation import benchmarks as bm
-from mars.evaluation.benchmarks import BenchmarkConfig, Context, Item, create
+from mars.evaluation.benchmarks import BenchmarkConfig, Context, Item, answers, create, hub, humaneval, ifeval
 from mars.errors import ConfigError
 
 CTX = Context(seed=0)
@@ -117,7 +117,7 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail():
 def test_humaneval_completion_format_cuts_at_the_next_top_level_statement():
     problem = {"prompt": "def f(x):\n", "entry_point": "f"}
     text = "    return x + 1\n\ndef g():\n    pass\nprint(f(1))"
-    assert bm.humaneval_completion(problem, text, "completion") == "    return x + 1\n"
+    assert humaneval.humaneval_completion(problem, text, "completion") == "    return x + 1\n"
     raw = bench("humaneval", n=1, options={"prompt_format": "completion"}).items()[0]
     assert raw.prompt == raw.reference["prompt"]
     with pytest.raises(ConfigError, match="prompt_format"):
@@ -135,8 +135,8 @@ def test_gsm_items_are_seeded_and_scored_by_the_final_number():
     ref = items[0].reference
     assert b.score_one(items[0], f"Step 1: 2 + 2 = 4.\nSo the answer is {ref}.") == 1.0
     assert b.score_one(items[0], f"The answer is {ref}. Then 7 more.") == 0.0
-    assert bm.number_matches("That makes 1,234 apples", "1234")
-    assert bm.number_matches("= 12.50", "12.5") and not bm.number_matches("no number", "3")
+    assert answers.number_matches("That makes 1,234 apples", "1234")
+    assert answers.number_matches("= 12.50", "12.5") and not answers.number_matches("no number", "3")
 
 
 # ---- instruction following --------------------------------------------------------------------------
@@ -163,9 +163,9 @@ IF_CASES = [
 
 @pytest.mark.parametrize("iid,kwargs,good,bad", IF_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(IF_CASES)])
 def test_instruction_checks(iid, kwargs, good, bad):
-    assert bm.check_instructions(good, [iid], [kwargs]) == [True]
-    assert bm.check_instructions(bad, [iid], [kwargs]) == [False]
-    assert bm.check_instructions("", [iid], [kwargs]) == [False]
+    assert ifeval.check_instructions(good, [iid], [kwargs]) == [True]
+    assert ifeval.check_instructions(bad, [iid], [kwargs]) == [False]
+    assert ifeval.check_instructions("", [iid], [kwargs]) == [False]
 
 
 def test_ifeval_prompts_state_checkable_non_conflicting_instructions():
@@ -175,7 +175,7 @@ def test_ifeval_prompts_state_checkable_non_conflicting_instructions():
     for it in items:
         ids = it.reference["instruction_id_list"]
         assert 1 <= len(ids) <= 3 and len(set(ids)) == len(ids)
-        assert not any(len(set(ids) & group) > 1 for group in bm._CONFLICTS)
+        assert not any(len(set(ids) & group) > 1 for group in ifeval._CONFLICTS)
     item = Item("x", "p", {"instruction_id_list": ["punctuation:no_comma", "change_case:english_lowercase"],
                            "kwargs": [{}, {}]})
     assert b.score([item, item], ["all fine here", "All, fine"]) == [
@@ -200,7 +200,7 @@ def test_hub_benchmarks_fail_offline_with_a_clear_message():
 
 
 def test_hub_rows_become_items_the_local_scorers_grade():
-    gpqa = bm.HUB_PRESETS["gpqa"][3]
+    gpqa = hub.HUB_PRESETS["gpqa"][3]
     row = {"Question": "Q?", "Correct Answer": "right", "Incorrect Answer 1": "w1", "Incorrect Answer 2": "w2",
            "Incorrect Answer 3": "w3"}
     letters = {gpqa(row, i, 0).reference for i in range(12)}
@@ -211,7 +211,7 @@ def test_hub_rows_become_items_the_local_scorers_grade():
     assert b.score_one(item, f"Reasoning... The answer is ({item.reference}).") == 1.0
     wrong = next(ch for ch in "ABCD" if ch != item.reference)
     assert b.score_one(item, f"The answer is ({wrong})") == 0.0
-    gsm = bm.HUB_PRESETS["gsm8k"][3]({"question": "2+2?", "answer": "2+2=4\n#### 4"}, 0, 0)
+    gsm = hub.HUB_PRESETS["gsm8k"][3]({"question": "2+2?", "answer": "2+2=4\n#### 4"}, 0, 0)
     assert bench("g", kind="hub", options={"preset": "gsm8k"}).score_one(gsm, "so 4") == 1.0
-    bbh = bm.HUB_PRESETS["bbh"][3]({"input": "not True", "target": "False"}, 0, 0)
+    bbh = hub.HUB_PRESETS["bbh"][3]({"input": "not True", "target": "False"}, 0, 0)
     assert bench("b", kind="hub", options={"preset": "bbh"}).score_one(bbh, "Thinking.\nThe answer is False.") == 1.0

