@@ -139,7 +139,9 @@ def test_metrics_and_plots_are_declared(dvc_yaml):
     assert stages["gate"]["metrics"] == [{"metrics/gate.json": {"cache": False}}]
     for name in TRAINING:
         (plot,) = stages[name]["plots"]
-        assert plot[f"metrics/train_{name}.tsv"]["cache"] is False
+        # persist: `dvc repro` must not delete the rows a resumed run continues from
+        assert plot[f"metrics/train_{name}.tsv"]["cache"] is False and plot[f"metrics/train_{name}.tsv"]["persist"]
+        assert stages[name]["metrics"] == [{f"metrics/train_{name}.json": {"cache": False}}]
     shows = subprocess.run([sys.executable, "-m", "dvc", "plots", "show", "--json"], cwd=REPO,
                            capture_output=True, text=True)
     assert shows.returncode == 0, shows.stderr  # definitions parse even before any run

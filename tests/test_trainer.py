@@ -148,6 +148,10 @@ def test_sft_learns_and_writes_a_self_describing_checkpoint(init_dir, tmp_path):
     assert [r["step"] for r in log] == list(range(1, 31))
     assert log[-1]["loss"] < 0.8 * log[0]["loss"]
     assert all(r["l_mask"] == 0 and r["l_ar"] == r["loss"] and r["tokens_per_s"] > 0 for r in log)
+    # the summary `dvc metrics show` / `dvc exp show` read: the final step, timing left out
+    summary = json.loads((tmp_path / "m.json").read_text())
+    assert set(summary) == {"step", "epoch", "loss", "l_mask", "l_ar", "lr"} and summary["step"] == 30
+    assert summary["loss"] == pytest.approx(log[-1]["loss"], rel=1e-5)
     final = res.final_dir
     assert (final / "model.safetensors").is_file() and not list(final.glob("*.bin"))
     assert AutoTokenizer.from_pretrained(final).convert_tokens_to_ids("<|mask|>") == 2
@@ -224,16 +228,22 @@ def test_resume_from_a_step_checkpoint_equals_an_uninterrupted_run(init_dir, tmp
                  metrics_path=tmp_path / "full.tsv", progress=False)
     assert [p.name for p in complete_checkpoints(tmp_path / "full")] == ["step-00000003", "step-00000006"]
     part = tmp_path / "part"
-    # stop after step 3: a 3-step schedule would change the LR curve, so copy the checkpoint instead
+    # killed after logging step 8 (its last checkpoint is step 3): a 3-step schedule would change the LR
+    # curve, so copy the checkpoint and the log instead
     (part / "steps").mkdir(parents=True)
     import shutil
 
     shutil.copytree(tmp_path / "full" / "steps" / "step-00000003", part / "steps" / "step-00000003")
+    shutil.copy(tmp_path / "full.tsv", tmp_path / "part.tsv")
     res = train(cfg, stage="sft", init=init_dir, examples=data, out=part, metrics_path=tmp_path / "part.tsv",
                 progress=False)
     a, b = load_file(full.final_dir / "model.safetensors"), load_file(res.final_dir / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
-    assert [r["step"] for r in rows(tmp_path / "part.tsv")] == list(range(4, 9))
+    # steps 4..8 are logged again, not twice: each step once, with the uninterrupted run's losses
+    resumed, whole = rows(tmp_path / "part.tsv"), rows(tmp_path / "full.tsv")
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole], rel=1e-5)
+    assert json.loads((tmp_path / "part.json").read_text())["step"] == 8
 
 
 def test_resume_only_continues_the_same_run(init_dir, tmp_path, capsys):

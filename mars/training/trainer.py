@@ -43,7 +43,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from mars.core.atomic import atomic_dir, read_json, replace_dir, write_text
+from mars.core.atomic import atomic_dir, read_json, replace_dir, write_json, write_text
 from mars.core.batch import DualStreamBatch, build_batch
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.errors import ConfigError, DataError, MarsError
@@ -315,7 +315,12 @@ def check_step_checkpoint(ckpt: Path, state: dict) -> None:
 
 # ------------------------------------------------------------------------------------------ metrics
 class MetricsLog:
-    """One TSV row per optimizer step (``dvc plots`` reads it); a resumed run continues it."""
+    """One TSV row per optimizer step (``dvc plots`` reads it); a resumed run continues it.
+
+    Resuming from step N keeps rows 1..N and drops rows a killed run logged after its last checkpoint,
+    so the file holds each step once. The file is a ``persist`` DVC output: ``dvc repro`` leaves it in
+    place for the resumed run to continue.
+    """
 
     def __init__(self, path: Path, resume_step: int):
         self.path = path
@@ -337,6 +342,22 @@ class MetricsLog:
 
 def _fmt(value) -> str:
     return str(value) if isinstance(value, int) else f"{value:.6g}"
+
+
+SUMMARY_COLUMNS = ("step", "epoch", "loss", "l_mask", "l_ar", "lr")  # tokens_per_s left out: not reproducible
+
+
+def summary_path(metrics_path: Path) -> Path:
+    """``metrics/train_<stage>.json`` beside the TSV: the final step's numbers, for ``dvc metrics`` and
+    ``dvc exp show`` (which read JSON summaries, not per-step TSVs)."""
+    return Path(metrics_path).with_suffix(".json")
+
+
+def write_summary(metrics_path: Path, last: dict) -> Path:
+    """The summary of a finished run whose final step logged ``last`` (empty: a run of 0 steps)."""
+    path = summary_path(metrics_path)
+    write_json(path, {c: last[c] for c in SUMMARY_COLUMNS} if last else {"step": 0})
+    return path
 
 
 # ---------------------------------------------------------------------------------------- training
@@ -572,6 +593,8 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
         "stage": stage, "objective": objective, "init": str(init), "steps": total, "seed": seed,
         "num_examples": n, "processes": world, "train": asdict(cfg), "final_step": last,
     })
+    if main:
+        write_summary(metrics_path, last)
     return TrainResult(stage=stage, objective=objective, steps=total, final_dir=final, metrics_path=metrics_path,
                        final_loss=float(last.get("loss", float("nan"))), seconds=seconds,
                        tokens_per_s=tokens_seen / max(seconds, 1e-9))
@@ -602,6 +625,7 @@ def _init_as_final(accelerator, cfg: TrainConfig, stage: str, init, out: Path, m
             shutil.rmtree(out / "steps")
         (out / "steps").mkdir(parents=True)
         MetricsLog(metrics_path, 0).close()
+        write_summary(metrics_path, {})
     accelerator.wait_for_everyone()
     return TrainResult(stage=stage, objective=OBJECTIVE[stage], steps=0, final_dir=out / "final",
                        metrics_path=metrics_path, final_loss=float("nan"), seconds=0.0, tokens_per_s=0.0)
