@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import periodic, tiny_model, train_to_draft
 from mars.core.checkpoint_info import CheckpointInfoError
 from mars.core.digest import sha256_file
 from mars.decoding.onnx_backend import EngineError, ExportedBlock, read_manifest, window_mask
@@ -37,18 +37,22 @@ def tiny_tokenizer():
 
 
 def make_mars_checkpoint(path: Path, arch: str = "llama", *, mars: bool = True, tokenizer: bool = True,
-                         confidence: float = 200.0) -> Path:
+                         confidence: float = 200.0, drafting: bool = False) -> Path:
     """A MARS checkpoint as `mars train` writes it (random tiny weights), or a broken variant.
 
     The LM head is scaled by ``confidence`` so that the random model is sure of some slots and not of
     others: at tau = 0.9 rows accept 1 to ~2.7 tokens per forward, so decoding exercises ragged acceptance.
+    ``drafting``: trained on repeated phrases instead (conftest.train_to_draft), so lossless drafts verify.
     """
     from mars.core.mask_token import add_mask_token
 
     model, tok = tiny_model(arch), tiny_tokenizer()
     info = add_mask_token(model, tok)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(confidence)
+    if drafting:
+        train_to_draft(model, info.token_id, block_size=BLOCK)
+    else:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(confidence)
     if mars:
         model.config.mars = {"block_size": BLOCK, "mask_token_id": info.token_id, "objective": "mars",
                              "w_ar": 1.0, "stage": "mars", "block_offset": "fixed", "base": "test"}
@@ -228,6 +232,32 @@ def test_onnxruntime_decoder_gives_the_pytorch_decoders_tokens(exported, checkpo
         assert got.tokens_per_forward == 1.0
 
 
+@pytest.fixture(scope="module")
+def drafting_export(tmp_path_factory):
+    checkpoint = make_mars_checkpoint(tmp_path_factory.mktemp("ckpt") / "drafting", drafting=True)
+    out = tmp_path_factory.mktemp("exports") / "drafting"
+    export_checkpoint(checkpoint, out, ExportConfig(**CFG), log=lambda *_: None)
+    return checkpoint, out
+
+
+@pytest.mark.parametrize("b_cache", [None, 6], ids=["token-cache", "block-cache"])
+def test_onnxruntime_decoder_runs_lossless_mode_exactly(drafting_export, heldout_prompts, b_cache):
+    """Lossless mode on the exported graph: greedy output, the PyTorch decoder's forwards. Its windows
+    (the last token + up to B-1 drafts + B-1 masks: 7) fit W = 8; the block cache's are wider (two calls)."""
+    from mars.decoding.loop import generate
+    from mars.core.models import load_model
+
+    checkpoint, out = drafting_export
+    model, tok = load_model(checkpoint)
+    prompts = [x[:n] for x, n in zip(periodic(3, 12, seed=7), (7, 9, 8))] + heldout_prompts[:2]
+    greedy = generate(model, tok, prompts, tau=1.0, max_new_tokens=16, batch_size=2)
+    ref = generate(model, tok, prompts, mode="lossless", max_new_tokens=16, batch_size=2, b_cache=b_cache)
+    got = ExportedBlock(out).generate(prompts, mode="lossless", max_new_tokens=16, b_cache=b_cache)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref] == [r.token_ids for r in greedy]
+    assert [r.forwards for r in got] == [r.forwards for r in ref]
+    assert ref.tokens_per_forward > 2  # the repeated phrases' drafts verify: several tokens per forward
+
+
 def test_engine_refuses_what_its_graph_cannot_hold(exported):
     engine = ExportedBlock(exported[0])
     with pytest.raises(EngineError, match="exceeds the export's batch of 2"):
@@ -254,6 +284,20 @@ def test_tokenizer_without_the_mask_token(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match="mask_token_id 40 is '.*', not a special token"):
         export_checkpoint(ckpt, tmp_path / "out", ExportConfig(**CFG))
+
+
+def test_the_stand_in_checkpoint_has_the_profiles_mars_block_size(tmp_path):
+    """The export benchmarks' stand-in model records ``train.mars.block_size`` (it once read a
+    nonexistent ``train.block_size`` and silently fell back to 4)."""
+    from mars.cli.options import stand_in_from_params
+    from mars.config import load_params
+    from mars.core.checkpoint_info import CheckpointInfo
+
+    small = ["model.tiny.hidden_size=32", "model.tiny.num_hidden_layers=1", "model.tiny.intermediate_size=64",
+             "model.tiny.tokenizer_corpus=200", "model.tiny.vocab_size=300"]
+    params = load_params(Path(__file__).parents[1] / "params.yaml", small + ["train.mars.block_size=8"])
+    info = CheckpointInfo.read(stand_in_from_params(params, tmp_path / "stand_in"))
+    assert info.block_size == 8 and info.base == "stand-in: random weights"
 
 
 def test_missing_tokenizer(tmp_path):
