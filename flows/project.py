@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from mars.core.atomic import atomic_path
 from mars.errors import MarsError
 
 PARAMS_FILE = "params.yaml"
@@ -53,14 +54,8 @@ def find_root(start: str | os.PathLike = ".") -> Path:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 @contextlib.contextmanager
