@@ -151,7 +151,7 @@ def test_store_uri_comes_from_params_unless_overridden(tmp_path, monkeypatch):
         store_config({"store": {"uri": "gs://b"}})
     with pytest.raises(ConfigError, match="store.multipart_chunk_mb: S3 parts must be at least 5 MB"):
         store_config({"store": {"multipart_chunk_mb": 1}})
-    with pytest.raises(ConfigError, match=r"store: unknown key\(s\) secret_key"):
+    with pytest.raises(ConfigError, match=r"store: unknown key 'secret_key'"):
         store_config({"store": {"secret_key": "x"}})
 
 
