@@ -17,9 +17,12 @@ from mars.evaluation.metric_key import MetricKey
 FIGURES = "figures"  # PNGs; eval/plots/ holds only the dvc plots data series
 
 
-def _save(fig, path: Path) -> None:
+def _save(fig, path: Path) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (atomically) and free it."""
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    _pyplot().close(fig)
+    return path
 
 
 def _pyplot():
@@ -56,9 +59,7 @@ def plot_accuracy_vs_speed(bench: str, per_ckpt: dict[str, list[dict]], path: Pa
     ax.set_title(f"{bench}: accuracy vs decoding speed (labels: tau)")
     ax.grid(alpha=0.3)
     ax.legend()
-    _save(fig, path)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def read_train_tsv(path: Path) -> dict[str, list[float]]:
@@ -111,9 +112,7 @@ def plot_training(tsvs: dict[str, Path], path: Path) -> Path | None:
         ax.grid(alpha=0.3)
         if any(line.get_label() and not line.get_label().startswith("_") for line in ax.lines):
             ax.legend()
-    _save(fig, path)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _table(per_ckpt: dict[str, list[dict]]) -> list[str]:
