@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from mars.core.digest import sha256_bytes, sha256_file, sha256_tree
+from mars.core.digest import sha256_bytes, sha256_chunks, sha256_file, sha256_tree
 
 
 def test_file_and_bytes_digests_are_plain_sha256(tmp_path):
@@ -25,3 +25,8 @@ def test_tree_digest_changes_with_any_name_or_content_and_ignores_listing_order(
     assert edited != whole
     (tmp_path / "sub" / "w.bin").rename(tmp_path / "sub" / "v.bin")
     assert sha256_tree(tmp_path) not in (whole, edited)
+
+
+def test_a_stream_of_chunks_digests_as_their_concatenation():
+    chunks = [b"3:5,6,7;", b"2:9,9;", b""]
+    assert sha256_chunks(chunks) == sha256_bytes(b"".join(chunks)) == sha256_chunks(iter(chunks))

@@ -22,6 +22,22 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def sha256_chunks(chunks: Iterable[bytes]) -> str:
+    """Hex sha256 of a stream of byte chunks (an object read back from a store)."""
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_chunks(chunks: Iterable[bytes]) -> str:
+    """Hex sha256 of ``chunks`` concatenated, without building the whole byte string (a data set's records)."""
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
 def sha256_tree(root: str | Path, names: Iterable[str] | None = None) -> str:
     """One hex sha256 over files under ``root``: each file's path relative to ``root`` and its sha256,
     in path order, so renaming, adding, removing or editing any file changes it.
@@ -35,3 +51,8 @@ def sha256_tree(root: str | Path, names: Iterable[str] | None = None) -> str:
     for name in sorted(names):
         digest.update(f"{name}\0{sha256_file(root / name)}\n".encode())
     return digest.hexdigest()
+
+
+def is_sha256(value: object) -> bool:
+    """Whether ``value`` is a hex sha256 as these functions write it (64 lowercase hex digits)."""
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)

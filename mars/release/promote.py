@@ -4,14 +4,26 @@ Store layout (see :mod:`mars.release.store` for the URI and the object store):
 
 - ``objects/sha256/..``                       every file, once, under the hash of its bytes
 - ``releases/<name>/<version>/manifest.json`` one per release, never rewritten: file list with
-  sha256 and size, gate numbers, block size B, default tau, source revision
-- ``stages/<name>/<stage>.json``              the stage pointer: version + sha256 of its manifest
+  sha256 and size, gate decision (with the sha256 of the checkpoint and export it judged), block
+  size B, default tau, source revision, who published it
+- ``releases/<name>/<version>/seal.json``     the sha256 of that manifest, written once right after it
+- ``stages/<name>/<stage>.json``              the stage pointer: version + sha256 of its manifest, who
+  moved it, when, and how (promote | rollback)
 
-A promote uploads the objects, then creates the manifest (create-only: racing promotes get distinct
-versions), and only then replaces the stage pointer, one whole-object write. A crash at any point
-leaves the pointer on the previous release, whose objects are untouched, so it stays pullable. A
-pull checks the manifest against the pointer's hash and every file against the manifest, and
-renames the finished directory into place.
+Only a gated release is published: the gate decision must name the sha256 of the checkpoint and of
+the export it judged (``mars gate --export``), and the files promoted must be exactly those. A
+promote uploads the objects (an object already stored is read back and reused only if it holds
+exactly the bytes listed, else uploaded again), then creates the manifest (create-only: racing
+promotes get distinct versions) and its seal, and only then replaces the stage pointer, one
+whole-object write. A crash at any point leaves the pointer on the previous release, whose objects
+are untouched, so it stays pullable. A pull checks the manifest against the pointer's hash (a pull
+by version and a rollback against the release's seal) and every file against the manifest, and
+renames the finished directory into place; a rollback reads every object back before it moves the
+pointer, so no pointer ever lands on a release a pull would refuse.
+
+Stages: the pipeline's promote stage publishes to ``staging`` (:data:`STAGING`); the production
+stage (``store.stage``, ``prod``: what services pull) moves only by an explicit act, recorded with
+who did it, and never from inside a DVC experiment (:func:`guard_production`).
 
 A pulled release directory::
 
@@ -25,15 +37,16 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
 import subprocess
 from pathlib import Path, PurePosixPath
 
 from mars.core.atomic import atomic_dir, read_json
 from mars.core.checkpoint_info import CheckpointInfo
-from mars.core.digest import sha256_bytes, sha256_file, sha256_tree
+from mars.core.digest import is_sha256, sha256_bytes, sha256_file, sha256_tree
 from mars.errors import MarsError
-from mars.release.store import IntegrityError, NotFound, Store, iter_files, object_key
+from mars.release.store import IntegrityError, NotFound, Store, iter_files
 
 RELEASE_FORMAT = 1
 MANIFEST_FILE = "release.json"
@@ -43,6 +56,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
 ENGINE_SUFFIXES = {".onnx": "onnx", ".engine": "tensorrt", ".plan": "tensorrt", ".ep": "torch_tensorrt"}
 VERSION_RE = re.compile(r"^v(\d+)$")
+STAGING = "staging"  # where `mars promote` publishes unless told --stage (the pipeline's promote stage)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -61,6 +75,10 @@ def manifest_key(name: str, version: str) -> str:
     return f"releases/{_plain('release name', name)}/{_plain('version', version)}/manifest.json"
 
 
+def seal_key(name: str, version: str) -> str:
+    return f"releases/{_plain('release name', name)}/{_plain('version', version)}/seal.json"
+
+
 def pointer_key(name: str, stage: str) -> str:
     return f"stages/{_plain('release name', name)}/{_plain('stage', stage)}.json"
 
@@ -71,18 +89,44 @@ def _now() -> str:
 
 # -- what goes into a release -----------------------------------------------------------------------
 def gate_decision(path: str | Path) -> dict:
-    """The gate's decision file, if it allows promotion: ``passed: true`` or a recorded override."""
+    """The gate's decision file, if it allows promotion (``passed: true`` or an override recording reason
+    and who) and names what it judged: the sha256 of the checkpoint and of the export."""
     path = Path(path)
     gate = read_json(path, "no gate decision: run `mars gate` first", ReleaseError)
     if not isinstance(gate, dict) or "passed" not in gate:
         raise ReleaseError(f"{path}: not a gate decision (no 'passed' key)")
     override = gate.get("override")
-    if gate["passed"] is True:
-        return gate
-    if isinstance(override, dict) and override.get("enabled") is True and override.get("reason"):
-        return gate
-    raise ReleaseError(f"{path}: the gate did not pass (passed: {gate['passed']!r}, no recorded override); "
-                       "refusing to promote")
+    overridden = isinstance(override, dict) and override.get("enabled") is True and \
+        str(override.get("reason") or "").strip() and str(override.get("by") or "").strip()
+    if gate["passed"] is not True and not overridden:
+        raise ReleaseError(f"{path}: the gate did not pass (passed: {gate['passed']!r}, no override recording a "
+                           "reason and who made it); refusing to promote")
+    artifacts = gate.get("artifacts") if isinstance(gate.get("artifacts"), dict) else {}
+    for kind in ("checkpoint", "export"):
+        if not is_sha256((artifacts.get(kind) or {}).get("sha256") if isinstance(artifacts.get(kind), dict) else None):
+            raise ReleaseError(f"{path}: the decision names no {kind} sha256, so it does not say what it judged "
+                               "(a hand-written or older decision?); run `mars gate --export EXPORT` after "
+                               "`mars evaluate` and `mars export`")
+    return gate
+
+
+def check_gated(decision: dict, gate: str | Path, checkpoint: Path, export: Path) -> None:
+    """Refuse a checkpoint or export other than the ones the gate decision judged (by sha256)."""
+    for kind, path in (("checkpoint", checkpoint), ("export", export)):
+        judged, actual = decision["artifacts"][kind]["sha256"], sha256_tree(path)
+        if actual != judged:
+            raise ReleaseError(f"{path}: this {kind} (sha256 {actual[:12]}...) is not the one the gate judged "
+                               f"({gate}: {judged[:12]}...); refusing to promote it: promote what was evaluated "
+                               "and gated, or evaluate and gate this one")
+
+
+def guard_production(stage: str, production: str) -> None:
+    """Experiments never move the production stage: inside ``dvc exp run`` (DVC_EXP_NAME set) it is refused."""
+    experiment = os.environ.get("DVC_EXP_NAME")
+    if stage == production and experiment:
+        raise ReleaseError(f"stage {stage}: the production stage is not moved from a DVC experiment "
+                           f"({experiment}); publish to --stage {STAGING} and move {production} explicitly "
+                           f"(`mars promote --stage {production}` outside the experiment, or the scheduled flow)")
 
 
 def check_export(export: Path, checkpoint: Path, block_size: int) -> dict:
@@ -90,9 +134,10 @@ def check_export(export: Path, checkpoint: Path, block_size: int) -> dict:
     manifest = export / "manifest.json"
     info = read_json(manifest, "not an export: run `mars export`", ReleaseError)
     try:
-        exported_b, exported_from = int(info["mars"]["block_size"]), str(info["checkpoint"]["sha256"])
-    except (TypeError, KeyError, ValueError):
-        raise ReleaseError(f"{manifest}: not an export manifest (no mars.block_size / checkpoint.sha256)") from None
+        exported_from = str(info["checkpoint"]["sha256"])
+    except (TypeError, KeyError):
+        raise ReleaseError(f"{manifest}: not an export manifest (no checkpoint.sha256)") from None
+    exported_b = CheckpointInfo.from_section(info.get("mars"), str(manifest)).block_size
     if exported_b != block_size:
         raise ReleaseError(f"{manifest}: block_size {exported_b} differs from the checkpoint's {block_size} "
                            f"({checkpoint}/config.json): export the checkpoint you promote")
@@ -155,25 +200,33 @@ def _read_pointer(store: Store, name: str, stage: str) -> dict | None:
         return None
 
 
-def _move_pointer(store: Store, name: str, stage: str, version: str, manifest_sha256: str, action: str) -> dict:
+def _move_pointer(store: Store, name: str, stage: str, version: str, manifest_sha256: str, action: str,
+                  by: str) -> dict:
     current = _read_pointer(store, name, stage)
     pointer = {"name": name, "stage": stage, "version": version, "manifest_sha256": manifest_sha256,
-               "moved_at": _now(), "action": action, "previous": current.get("version") if current else None}
+               "moved_at": _now(), "moved_by": by, "action": action,
+               "previous": current.get("version") if current else None}
     store.put_json(pointer_key(name, stage), pointer)
     return pointer
 
 
-def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: str | Path,
-            tokenizer: str | Path | None = None, name: str = "mars", stage: str = "prod",
+def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: str | Path, by: str,
+            tokenizer: str | Path | None = None, name: str = "mars", stage: str = STAGING,
             tau: float | None = None, repo: str | Path = ".", log=print) -> dict:
-    """Publish a gated release and move ``stage`` to it; returns the stage pointer written."""
+    """Publish a gated release and move ``stage`` to it; returns the stage pointer written.
+
+    ``by`` (who publishes: a person, or the scheduled flow's run) is recorded in the manifest and the pointer.
+    """
     _plain("release name", name), _plain("stage", stage)
+    if not by or not by.strip():
+        raise ReleaseError("promote: say who publishes (by)")
     decision = gate_decision(gate)
     export, checkpoint = Path(export), Path(checkpoint)
     model = CheckpointInfo.read(checkpoint)
     block_size = model.block_size
     files = collect_files(export, checkpoint, Path(tokenizer) if tokenizer else None)
     check_export(export, checkpoint, block_size)
+    check_gated(decision, gate, checkpoint, export)
     if tau is None:  # the tau the gate vouched for: its speed check's if it ran one, else the lossless one
         tau = decision.get("speed_tau") if decision.get("speed_tau") is not None else decision.get("tau", 1.0)
     store.check(create=True)
@@ -203,6 +256,7 @@ def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: s
         "engines": engines,
         "gate": decision,
         "source": source_revision(Path(repo)),
+        "published_by": by,
         "files": entries,
     }
     # Claim the next free version: the manifest write is create-only, a concurrent promote that
@@ -217,29 +271,33 @@ def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: s
     else:
         raise ReleaseError(f"{store.where(f'releases/{name}/')}: could not claim a new version "
                            "(too many concurrent promotes)")
-    pointer = _move_pointer(store, name, stage, version, manifest_sha256, "promote")
+    store.put_json(seal_key(name, version), {"manifest_sha256": manifest_sha256}, if_absent=True)
+    pointer = _move_pointer(store, name, stage, version, manifest_sha256, "promote", by)
     total = sum(e["size"] for e in entries.values())
     log(f"promoted {name} {version} -> {stage} in {store.uri}: {len(entries)} files ({total / 2**20:.1f} MB), "
         f"{uploaded} uploaded ({uploaded_bytes / 2**20:.1f} MB), previous: {pointer['previous'] or 'none'}")
     return pointer
 
 
-def rollback(store: Store, *, version: str, name: str = "mars", stage: str = "prod", log=print) -> dict:
-    """Move ``stage`` back to an earlier release after checking its manifest and objects are complete."""
-    store.check()
+def rollback(store: Store, *, version: str, by: str, name: str = "mars", stage: str = STAGING, log=print) -> dict:
+    """Move ``stage`` back to an earlier release after verifying it as a pull would: its manifest against
+    its seal, and every object read back against the manifest. ``by`` is recorded in the pointer."""
+    if not by or not by.strip():
+        raise ReleaseError("rollback: say who moves the stage (by)")
     try:
-        manifest, manifest_sha256 = store.get_json(manifest_key(name, version))
+        manifest, data = resolve_release(store, name, version=version)
     except NotFound:
+        if _read_seal(store, name, version) is not None:
+            raise
         known = ", ".join(_versions(store, name)) or "none"
         raise ReleaseError(f"{store.where(manifest_key(name, version))}: no release {name} {version} "
                            f"(releases: {known})") from None
-    for rel, entry in _manifest_files(manifest, store.where(manifest_key(name, version))).items():
-        key = object_key(entry["sha256"])
-        stored = store.size(key)
-        if stored != entry["size"]:
-            state = "missing" if stored is None else f"{stored} bytes, expected {entry['size']}"
-            raise IntegrityError(f"{store.where(key)} ({rel}): {state}; refusing to roll {stage} back to {version}")
-    pointer = _move_pointer(store, name, stage, version, manifest_sha256, "rollback")
+    for rel, entry in manifest["files"].items():
+        try:
+            store.verify_object(entry["sha256"], entry["size"], label=rel)
+        except (NotFound, IntegrityError) as err:
+            raise IntegrityError(f"{err}; refusing to roll {stage} back to {version}") from None
+    pointer = _move_pointer(store, name, stage, version, sha256_bytes(data), "rollback", by)
     log(f"rolled {name} {stage} back to {version} (was {pointer['previous'] or 'none'})")
     return pointer
 
@@ -259,23 +317,38 @@ def _manifest_files(manifest: dict, where: str) -> dict:
     return files
 
 
+def _read_seal(store: Store, name: str, version: str) -> str | None:
+    try:
+        seal = store.get_json(seal_key(name, version))[0].get("manifest_sha256")
+    except NotFound as err:
+        if "no such bucket" in str(err):
+            raise
+        return None
+    return seal if is_sha256(seal) else None
+
+
 def resolve_release(store: Store, name: str, stage: str | None = None,
                     version: str | None = None) -> tuple[dict, bytes]:
-    """The verified manifest (and its exact bytes) of ``version``, or of what ``stage`` points to."""
+    """The verified manifest (and its exact bytes) of ``version``, or of what ``stage`` points to: its
+    sha256 must be the pointer's (by stage) or the release's seal (by version)."""
     store.check()
-    expected = None
     if version is None:
         stage = stage or "prod"
         pointer = _read_pointer(store, name, stage)
         if pointer is None:
             raise NotFound(f"{store.where(pointer_key(name, stage))}: no release of {name} at stage {stage}")
-        version, expected = pointer.get("version"), pointer.get("manifest_sha256")
+        version, expected, against = pointer.get("version"), pointer.get("manifest_sha256"), "stage pointer's"
         if not isinstance(version, str) or not VERSION_RE.match(version):
             raise IntegrityError(f"{store.where(pointer_key(name, stage))}: bad stage pointer")
+    else:
+        expected, against = _read_seal(store, name, version), "release's seal"
+        if expected is None and store.size(manifest_key(name, version)) is not None:
+            raise IntegrityError(f"{store.where(seal_key(name, version))}: release {name} {version} has no seal "
+                                 "(an unfinished promote, or an altered store): refused")
     key = manifest_key(name, version)
     data = store.get_bytes(key)
-    if expected is not None and sha256_bytes(data) != expected:
-        raise IntegrityError(f"{store.where(key)}: manifest does not match the stage pointer's sha256: "
+    if sha256_bytes(data) != expected:
+        raise IntegrityError(f"{store.where(key)}: manifest does not match the {against} sha256: "
                              "tampered or corrupt, refused")
     try:
         manifest = json.loads(data)

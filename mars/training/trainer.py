@@ -46,6 +46,7 @@ import torch
 from mars.core.atomic import atomic_dir, read_json, replace_dir, write_json, write_text
 from mars.core.batch import DualStreamBatch, build_batch
 from mars.core.checkpoint_info import CheckpointInfo
+from mars.core.digest import sha256_chunks
 from mars.errors import ConfigError, DataError, MarsError
 from mars.core.loss import compute_loss
 
@@ -436,13 +437,10 @@ OPERATIONAL = ("save_every", "keep_checkpoints", "threads", "grad_accum")
 
 def _fingerprint(cfg: TrainConfig, stage: str, seed: int, init, examples: Sequence[dict], total: int) -> dict:
     """What a checkpoint must agree on to be resumed: the run it belongs to."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for ex in examples:
-        digest.update(f"{ex['prompt_len']}:{','.join(map(str, ex['input_ids']))};".encode())
+    data_sha256 = sha256_chunks(f"{ex['prompt_len']}:{','.join(map(str, ex['input_ids']))};".encode()
+                                for ex in examples)
     knobs = {k: v for k, v in asdict(cfg).items() if k not in OPERATIONAL and k not in STAGES}
-    return {"stage": stage, "init": str(init), "seed": seed, "data_sha256": digest.hexdigest(), "total_steps": total,
+    return {"stage": stage, "init": str(init), "seed": seed, "data_sha256": data_sha256, "total_steps": total,
             "train": knobs, "stage_config": asdict(cfg.stage(stage)), "mars_config": asdict(cfg.mars)}
 
 
