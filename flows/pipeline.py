@@ -12,6 +12,12 @@ never weights.
 Overrides (``profile``, ``overrides=["train.lr=1e-4"]``) are applied to params.yaml for the run
 with ``dvc exp run -S`` semantics and params.yaml is restored afterwards (see
 :func:`flows.project.overridden_params`), so a run never leaves the user's knobs changed.
+
+Releases: the pipeline's promote stage publishes to ``staging`` (what every ``dvc repro`` and
+``dvc exp run`` does too). Only this flow's release step moves the production stage
+(``flow.release_stage``, ``prod``), with ``mars promote --stage prod --by prefect:<flow run>``: the
+gated checkpoint and export of this run, recorded with who and when. A run with overrides is an
+experiment: it stops at staging unless ``promote=True`` is passed explicitly.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE as NO_CACHE
+from prefect.runtime import flow_run
 from prefect.states import Failed
 
 from flows import project, report
@@ -36,6 +43,7 @@ class FlowConfig:
     cron: str = "0 3 * * 1"
     timezone: str = "UTC"
     promote: bool = True
+    release_stage: str | None = "prod"  # moved after the plan by `mars promote --stage ...`; null: no release step
     target: str = "promote"
     gate_stage: str = "gate"
     gate_metrics: str = "metrics/gate.json"
@@ -74,6 +82,17 @@ def run_stage(root: str, stage: str, progress_interval_s: float) -> dict[str, An
 
 
 @task(cache_policy=NO_CACHE)
+def release(root: str, stage: str, by: str, progress_interval_s: float) -> str:
+    """``mars promote --stage STAGE --by BY``: the explicit, recorded move of the production stage."""
+    logger = get_run_logger()
+    result = project.stream(project.mars_command("promote", "--stage", stage, "--by", by), Path(root),
+                            project.command_env(progress_interval_s), logger.info)
+    if result.returncode != 0:
+        raise project.StageFailed(f"release to {stage}", result.returncode, result.tail)
+    return result.tail[-1] if result.tail else ""
+
+
+@task(cache_policy=NO_CACHE)
 def transfer(root: str, direction: str, remote: str) -> str:
     """``dvc pull`` / ``dvc push`` against the default remote (network: worth retrying)."""
     logger = get_run_logger()
@@ -101,7 +120,8 @@ def mars_pipeline(profile: str | None = None, overrides: list[str] | None = None
 
     profile: a profile of params.yaml (``profiles.NAME``); None keeps the file's own.
     overrides: ``section.key=value`` changes, as ``dvc exp run -S`` takes them, for this run only.
-    promote: run the promote stage (None: ``flow.promote`` from params.yaml).
+    promote: run the promote stage, then the release to ``flow.release_stage`` (None: ``flow.promote``
+        from params.yaml, and no release when there are overrides: an experiment stops at staging).
     project_dir: the DVC project (the worker's working directory by default).
     """
     logger = get_run_logger()
@@ -109,6 +129,7 @@ def mars_pipeline(profile: str | None = None, overrides: list[str] | None = None
     changes = ([f"profile={profile}"] if profile else []) + list(overrides or [])
     with project.overridden_params(root, changes):
         cfg = load_flow_config(root)
+        releasing = bool(cfg.release_stage) and (promote if promote is not None else cfg.promote and not changes)
         promote = cfg.promote if promote is None else promote
         plan = project.stage_plan(root, cfg.target, include_target=promote)
         remote = project.default_remote(root)
@@ -130,8 +151,14 @@ def mars_pipeline(profile: str | None = None, overrides: list[str] | None = None
                                   message=f"gate rejected the release: {report.gate_summary(gate)}; "
                                           f"not promoted ({cfg.gate_metrics})")
             stages[stage] = state.result()  # raises the stage's error: nothing downstream runs
+        released = None
+        if releasing and cfg.target in stages:
+            by = f"prefect:{flow_run.get_name() or flow_run.get_id()}"
+            released = release.with_options(task_run_name=f"release-{cfg.release_stage}", **retrying)(
+                str(root), cfg.release_stage, by, cfg.progress_interval_s)
         if remote and cfg.push:
             transfer.with_options(name="dvc-push", **retrying)(str(root), "push", remote)
-        gate = _publish_report(root, cfg, header | {"result": stages})
-    return {**header, "stages": stages, "gate": gate, "promoted": promote and cfg.target in stages}
+        gate = _publish_report(root, cfg, header | {"result": stages, "released": released})
+    return {**header, "stages": stages, "gate": gate, "promoted": promote and cfg.target in stages,
+            "released": released}
 

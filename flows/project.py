@@ -200,6 +200,10 @@ def dvc_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "dvc", *args]
 
 
+def mars_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mars.cli", *args]
+
+
 def stage_outcome(stage: str, lines: Sequence[str]) -> str:
     """What DVC did with a stage, from its own report: ran | restored (run cache) | unchanged."""
     name = stage.rpartition(":")[2]

@@ -84,7 +84,8 @@ def render(header: dict[str, Any], eval_metrics: Any, eval_report: str | None, g
     out = [f"# MARS pipeline: gate {verdict}", ""]
     out += [f"- project: `{header.get('project')}`", f"- revision: `{header.get('revision')}`",
             f"- overrides: `{' '.join(header.get('overrides') or []) or 'none'}`",
-            f"- DVC remote: `{header.get('remote') or 'none'}`", ""]
+            f"- DVC remote: `{header.get('remote') or 'none'}`",
+            f"- release: {header.get('released') or 'none (staging only)'}", ""]
     done = header.get("result") or {}
     if done:
         out += ["## Stages", "", "| stage | outcome | outputs |", "| --- | --- | --- |"]

@@ -119,14 +119,19 @@ Path("metrics").mkdir(exist_ok=True)
 Path("metrics/eval.json").write_text(json.dumps({"mars/toy/tau=1.0": {"score": toy["score"]}}))
 """
 
+# The decision names what it judged (the toy's stand-in checkpoint and export), as `mars gate --export` does,
+# so that the flow's release step (a real `mars promote --stage prod`) accepts it.
 TOY_GATE = """\
 import json, sys
 from mars.config import load_params
+from mars.core.digest import sha256_tree
 toy = load_params("params.yaml")["toy"]
 score = json.load(open("metrics/eval.json"))["mars/toy/tau=1.0"]["score"]
 ok = score >= toy["threshold"]
-json.dump({"passed": ok, "failures": [] if ok else [f"score {score} < threshold {toy['threshold']}"]},
-          open("metrics/gate.json", "w"))
+artifacts = {"checkpoint": {"name": "mars", "sha256": sha256_tree("checkpoints/mars/final")},
+             "export": {"path": "exports/mars", "sha256": sha256_tree("exports/mars")}}
+json.dump({"passed": ok, "failures": [] if ok else [f"score {score} < threshold {toy['threshold']}"],
+           "artifacts": artifacts}, open("metrics/gate.json", "w"))
 print("gate passed" if ok else "gate FAILED", flush=True)
 sys.exit(0 if ok else 1)
 """
@@ -170,13 +175,24 @@ stages:
 
 @pytest.fixture
 def toy(tmp_path) -> Path:
+    from test_release import make_inputs
+
     root = tmp_path / "toy"
     root.mkdir()
     for name, text in {"params.yaml": TOY_PARAMS, "dvc.yaml": TOY_DVC, "toy_eval.py": TOY_EVAL,
                        "toy_gate.py": TOY_GATE, "toy_promote.py": TOY_PROMOTE}.items():
         (root / name).write_text(text)
+    stand_in = make_inputs(tmp_path / "stand_in", "toy")  # what `mars promote` ships: a fake checkpoint + export
+    for kind, dest in (("checkpoint", "checkpoints/mars/final"), ("export", "exports/mars")):
+        (root / dest).parent.mkdir(parents=True)
+        stand_in[kind].rename(root / dest)
     init_repo(root)
     return root
+
+
+def prod_pointer(toy: Path) -> dict | None:
+    path = toy / "store" / "stages" / "mars" / "prod.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 # ------------------------------------------------------------------------------- fast tests
@@ -189,6 +205,8 @@ def test_flow_runs_every_stage_in_order_streams_logs_and_publishes_report(prefec
     assert {s["outcome"] for s in result["stages"].values()} == {"ran"}
     assert result["promoted"] and result["gate"]["passed"]
     assert result["overrides"] == ["toy.score=0.9"]
+    # a run with overrides is an experiment: it publishes (the promote stage) but does not release to prod
+    assert result["released"] is None and prod_pointer(toy) is None and "release-prod" not in task_states(state)
     # revisions, not data: the md5 dvc.lock recorded for each output
     lock = yaml.safe_load((toy / "dvc.lock").read_text())["stages"]
     assert result["stages"]["base"]["outs"] == {"base.json": lock["base"]["outs"][0]["md5"]}
@@ -211,6 +229,21 @@ def test_flow_runs_every_stage_in_order_streams_logs_and_publishes_report(prefec
     again = run_flow(project_dir=str(toy), overrides=["toy.score=0.9"])
     assert again.is_completed()
     assert {s["outcome"] for s in again.result()["stages"].values()} == {"unchanged"}
+
+
+def test_only_the_flows_release_step_moves_prod_and_it_records_the_run(prefect_server, toy):
+    state = run_flow(project_dir=str(toy))
+    assert state.is_completed(), state.message
+    result = state.result()
+    pointer = prod_pointer(toy)
+    assert pointer is not None and pointer["version"] == "v1" and pointer["action"] == "promote"
+    assert pointer["moved_by"].startswith("prefect:")  # the flow run that released it
+    assert "promoted mars v1 -> prod" in result["released"]
+    assert task_states(state)["release-prod"] == ["Completed"]
+    assert "release: promoted mars v1 -> prod" in artifact(state)
+    # the same gated artifacts released again by the flow only when asked: promote=False releases nothing
+    held = run_flow(project_dir=str(toy), promote=False)
+    assert held.is_completed() and held.result()["released"] is None and prod_pointer(toy)["version"] == "v1"
 
 
 def test_failed_stage_stops_the_flow_with_its_error_and_a_rerun_resumes_there(prefect_server, toy):

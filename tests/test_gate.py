@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from mars.evaluation import evaluate
 from mars.cli import gate as gate_cli
 from mars.evaluation import gate
 from mars.errors import ConfigError, MarsError
+from mars.core.digest import sha256_tree
 from mars.evaluation.gate import GateConfig, Override, decide
 from test_evaluate import make_checkpoint, toy_config
 
@@ -20,12 +22,17 @@ def entry(score: float, tau: float = 1.0, tokens: int = 100, forwards: int = 100
             "seconds": 1.0, "n": 50, "tau": tau}
 
 
+def digest_of(checkpoint: str) -> str:
+    """A stand-in for the sha256 `mars evaluate` records of the checkpoint it evaluated as ``checkpoint``."""
+    return hashlib.sha256(checkpoint.encode()).hexdigest()
+
+
 def metrics(**scores) -> dict:
     """``name_bench=score`` -> eval.json entries at tau 1.0."""
     out = {}
     for key, score in scores.items():
         ckpt, bench = key.rsplit("_", 1)
-        out[f"{ckpt}/{bench}/tau=1.0"] = entry(score)
+        out[f"{ckpt}/{bench}/tau=1.0"] = {**entry(score), "checkpoint_sha256": digest_of(ckpt)}
     return out
 
 
@@ -88,7 +95,9 @@ def test_an_override_passes_a_failed_gate_and_is_recorded():
     assert d["passed"] and not d["checks_passed"] and d["overridden"]
     assert d["override"] == {"enabled": True, "reason": "hotfix for the demo", "by": "alice"}
     with pytest.raises(ConfigError, match="reason"):
-        Override(True, "  ")
+        Override(True, "  ", "alice")
+    with pytest.raises(ConfigError, match="by"):
+        Override(True, "hotfix for the demo", "")
 
 
 def test_cli_writes_the_decision_and_exits_nonzero_on_failure(tmp_path, capsys):
@@ -138,3 +147,47 @@ def test_a_broken_mars_checkpoint_fails_at_tau_1(evaluated):
     d = decide(evaluated, at_tau1(candidate="broken"))
     assert not d["passed"]
     assert {c["name"] for c in d["checks"] if not c["passed"]} == {"toy", "average"}
+
+
+# ---- the decision binds what it judged, and an override says who (issue 16) ------------------------------
+def fake_export(path, made_from: str):
+    path.mkdir()
+    (path / "model.onnx").write_bytes(b"onnx")
+    (path / "manifest.json").write_text(json.dumps({"checkpoint": {"sha256": made_from}}))
+    return path
+
+
+def test_the_decision_names_the_evaluated_checkpoint_and_its_export(tmp_path):
+    eval_json, out = tmp_path / "eval.json", tmp_path / "gate.json"
+    eval_json.write_text(json.dumps(metrics(mars_a=0.5, ar_control_a=0.5)))
+    export = fake_export(tmp_path / "export", made_from=digest_of("mars"))
+    decision = gate.run_gate(eval_json, out, at_tau1(), export=export)
+    assert decision["artifacts"] == {"checkpoint": {"name": "mars", "sha256": digest_of("mars")},
+                                     "export": {"path": str(export), "sha256": sha256_tree(export)}}
+    other = fake_export(tmp_path / "other", made_from=digest_of("something else"))
+    with pytest.raises(MarsError, match="exported from checkpoint sha256 .* not the mars evaluated"):
+        gate.run_gate(eval_json, out, at_tau1(), export=other)
+    unbound = {k: {f: v for f, v in e.items() if f != "checkpoint_sha256"} for k, e in
+               metrics(mars_a=0.5, ar_control_a=0.5).items()}
+    eval_json.write_text(json.dumps(unbound))
+    with pytest.raises(MarsError, match="no checkpoint_sha256 for 'mars'"):
+        gate.run_gate(eval_json, out, at_tau1(), export=export)
+
+
+def test_an_override_from_any_entry_point_needs_a_reason_and_who(tmp_path):
+    params = tmp_path / "params.yaml"
+    eval_json, out = tmp_path / "eval.json", tmp_path / "gate.json"
+    eval_json.write_text(json.dumps(metrics(mars_a=0.1, ar_control_a=0.5)))
+    args = ["--metrics", str(eval_json), "--out", str(out), "--params", str(params)]
+    params.write_text("gate: {speed_tau: null, max_score_drop: null}\n")
+    with pytest.raises(ConfigError, match="--override-by WHO"):
+        gate_cli.main(args + ["--override", "ship it"])  # was recorded as `by: <login user>`
+    with pytest.raises(ConfigError, match="--override-by WHO"):
+        gate_cli.main(args + ["--override", " ", "--override-by", "bob"])
+    params.write_text("gate: {override: {enabled: true, reason: ship it}}\n")
+    with pytest.raises(ConfigError, match=r"^gate\.override\.by: an override must say who made it$"):
+        gate_cli.main(args)
+    params.write_text("gate: {override: {enabled: true, by: bob}}\n")
+    with pytest.raises(ConfigError, match=r"^gate\.override\.reason: an override needs a reason$"):
+        gate_cli.main(args)
+    assert not out.exists()

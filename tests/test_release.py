@@ -23,11 +23,13 @@ from mars.core.digest import sha256_tree
 from mars.cli.promote import main as promote_cli
 from mars.release.promote import (IntegrityError, ReleaseError, list_releases, manifest_key, pointer_key, promote,
                           pull, rollback)
+from mars.core.atomic import temp_prefix
 from mars.release.store import StoreConfig, object_key, open_store
 
 MB = 1024 * 1024
 MARS = {"block_size": 4, "mask_token_id": 95, "objective": "mars", "w_ar": 1.0, "stage": "mars",
         "block_offset": "fixed", "base": "tiny"}
+PROD = {"stage": "prod", "by": "tester"}  # an explicit, recorded move of the production stage
 GATE = {"passed": True, "checks_passed": True, "overridden": False,
         "override": {"enabled": False, "reason": "", "by": ""}, "candidate": "mars", "baseline": "ar_control",
         "tau": 1.0, "speed_tau": 0.8, "checks": [{"name": "average", "value": 0.61, "limit": 0.58, "passed": True}]}
@@ -50,8 +52,14 @@ def make_inputs(root: Path, seed: str, weights_size: int = 20_000, gate: dict = 
     (export / "config.json").write_text(json.dumps({"mars": MARS}))
     (export / "manifest.json").write_text(json.dumps({"format_version": 1, "mars": MARS,
                                                       "checkpoint": {"sha256": sha256_tree(ckpt)}}))
-    (root / "gate.json").write_text(json.dumps(gate))
+    (root / "gate.json").write_text(json.dumps(bind(gate, ckpt, export)))
     return {"gate": root / "gate.json", "export": export, "checkpoint": ckpt}
+
+
+def bind(gate: dict, checkpoint: Path, export: Path) -> dict:
+    """``gate`` naming what it judged, as `mars gate --export` writes it."""
+    return {**gate, "artifacts": {"checkpoint": {"name": "mars", "sha256": sha256_tree(checkpoint)},
+                                  "export": {"path": str(export), "sha256": sha256_tree(export)}}}
 
 
 def expected_tree(inputs: dict) -> dict[str, bytes]:
@@ -89,7 +97,7 @@ def run_mars(verb: str, *args: str, cwd: Path, params: dict | None = None, env: 
 
 def promote_args(inputs: dict, store_uri: str) -> list[str]:
     return ["--gate", str(inputs["gate"]), "--export", str(inputs["export"]), "--checkpoint",
-            str(inputs["checkpoint"]), "--store", store_uri]
+            str(inputs["checkpoint"]), "--store", store_uri, "--stage", "prod", "--by", "tester"]
 
 
 def wait_for_partial_upload(store, proc, timeout: float = 90) -> None:
@@ -116,7 +124,7 @@ def assert_serves(store_uri: str, inputs: dict, dest: Path, **kwargs) -> dict:
 def test_promote_pull_history_and_rollback(store_uri, tmp_path):
     store = open_store(StoreConfig(uri=store_uri))
     first, second = make_inputs(tmp_path / "a", "a"), make_inputs(tmp_path / "b", "b")
-    pointer = promote(store, **first, repo=REPO, log=quiet)
+    pointer = promote(store, **first, **PROD, repo=REPO, log=quiet)
     assert (pointer["version"], pointer["previous"]) == ("v1", None)
 
     dest = tmp_path / "service" / "model"
@@ -127,23 +135,24 @@ def test_promote_pull_history_and_rollback(store_uri, tmp_path):
     assert hashlib.sha256((dest / "release.json").read_bytes()).hexdigest() == pointer["manifest_sha256"]
     assert {k: manifest[k] for k in ("name", "version", "stage", "block_size", "tau", "mask_token_id")} == \
         {"name": "mars", "version": "v1", "stage": "prod", "block_size": 4, "tau": 0.8, "mask_token_id": 95}
-    assert manifest["gate"] == GATE and manifest["engines"] == {"onnx": "export/model.onnx"}
+    assert manifest["gate"] == json.loads(first["gate"].read_text()) and manifest["engines"] == {"onnx": "export/model.onnx"}
+    assert manifest["published_by"] == "tester" and pointer["moved_by"] == "tester"
     assert manifest["files"]["export/model.onnx"] == {
         "sha256": hashlib.sha256(_bytes("onnx-a", 5000)).hexdigest(), "size": 5000}
     assert len(manifest["source"]["git_commit"]) == 40
 
-    pointer = promote(store, **second, log=quiet)
+    pointer = promote(store, **second, **PROD, log=quiet)
     assert (pointer["version"], pointer["previous"]) == ("v2", "v1")
     assert_serves(store_uri, second, dest)  # the earlier pull is replaced as a whole
     assert_serves(store_uri, first, tmp_path / "pinned", stage=None, version="v1")
 
-    rollback(store, version="v1", log=quiet)
+    rollback(store, version="v1", **PROD, log=quiet)
     assert_serves(store_uri, first, dest)
     lines = list_releases(store, "mars")
     assert [line.split()[:2] for line in lines] == [["mars", "v1"], ["mars", "v2"]]
     assert lines[0].endswith("files=9  <- prod") and lines[1].endswith("files=9")
     with pytest.raises(ReleaseError, match=r"no release mars v7 \(releases: v1, v2\)"):
-        rollback(store, version="v7", log=quiet)
+        rollback(store, version="v7", **PROD, log=quiet)
 
 
 def test_promote_checks_gate_inputs_and_names_before_uploading(tmp_path):
@@ -151,34 +160,35 @@ def test_promote_checks_gate_inputs_and_names_before_uploading(tmp_path):
     failed = {**GATE, "passed": False, "checks_passed": False}
     inputs = make_inputs(tmp_path / "f", "f", gate=failed)
     with pytest.raises(ReleaseError, match=rf"{inputs['gate']}: the gate did not pass"):
-        promote(store, **inputs, log=quiet)
+        promote(store, **inputs, **PROD, log=quiet)
     assert not (tmp_path / "store").exists()  # nothing uploaded
 
-    inputs["gate"].write_text(json.dumps({**failed, "overridden": True,
+    inputs["gate"].write_text(json.dumps({**json.loads(inputs["gate"].read_text()), "overridden": True,
                                           "override": {"enabled": True, "reason": "hotfix", "by": "lead"}}))
-    promote(store, **inputs, log=quiet)
+    promote(store, **inputs, **PROD, log=quiet)
     manifest = open_store(str(tmp_path / "store")).get_json(manifest_key("mars", "v1"))[0]
     assert manifest["gate"]["override"]["by"] == "lead"
 
     other = make_inputs(tmp_path / "o", "o")
     with pytest.raises(ReleaseError, match="made from a different checkpoint"):
-        promote(store, gate=other["gate"], export=other["export"], checkpoint=inputs["checkpoint"], log=quiet)
+        promote(store, gate=other["gate"], export=other["export"], checkpoint=inputs["checkpoint"], **PROD,
+                log=quiet)
     with pytest.raises(ReleaseError, match=r"release name '\.\./x': use letters"):
-        promote(store, **other, name="../x", log=quiet)
+        promote(store, **other, **PROD, name="../x", log=quiet)
     with pytest.raises(ReleaseError, match=r"stage 'a/b': use letters"):
         pull(store, "mars", tmp_path / "out", stage="a/b", log=quiet)
     other["gate"].unlink()
     with pytest.raises(ReleaseError, match="no gate decision"):
-        promote(store, **other, log=quiet)
+        promote(store, **other, **PROD, log=quiet)
 
 
 def test_pull_refuses_tampered_or_partial_releases(store_uri, tmp_path):
     store = open_store(StoreConfig(uri=store_uri))
     first, second = make_inputs(tmp_path / "a", "a"), make_inputs(tmp_path / "b", "b")
-    promote(store, **first, log=quiet)
+    promote(store, **first, **PROD, log=quiet)
     dest = tmp_path / "model"
     assert_serves(store_uri, first, dest)
-    promote(store, **second, log=quiet)
+    promote(store, **second, **PROD, log=quiet)
 
     weights = hashlib.sha256((second["checkpoint"] / "model.safetensors").read_bytes()).hexdigest()
     overwrite(store, object_key(weights), b"\x00" * 20_000)
@@ -193,10 +203,10 @@ def test_pull_refuses_tampered_or_partial_releases(store_uri, tmp_path):
         pull(store, "mars", tmp_path / "fresh", log=quiet)
     assert not (tmp_path / "fresh").exists()
     with pytest.raises(IntegrityError, match="refusing to roll prod back to v2"):
-        rollback(store, version="v2", log=quiet)
+        rollback(store, version="v2", **PROD, log=quiet)
 
     assert_serves(store_uri, first, tmp_path / "v1", stage=None, version="v1")  # the previous release still serves
-    rollback(store, version="v1", log=quiet)
+    rollback(store, version="v1", **PROD, log=quiet)
     assert_serves(store_uri, first, dest)
 
     manifest, _ = store.get_json(manifest_key("mars", "v1"))
@@ -217,7 +227,7 @@ def overwrite(store, key: str, data: bytes) -> None:
 def test_promote_killed_midway_leaves_the_previous_release(store_uri, tmp_path):
     store = open_store(StoreConfig(uri=store_uri))
     first = make_inputs(tmp_path / "a", "a")
-    promote(store, **first, log=quiet)
+    promote(store, **first, **PROD, log=quiet)
     big = make_inputs(tmp_path / "big", "big", weights_size=24 * MB)
     slow = {"max_bandwidth_mb": 6, "multipart_threshold_mb": 5, "multipart_chunk_mb": 5}
     proc = run_mars("promote", *promote_args(big, store_uri), cwd=tmp_path, params=slow, wait=False)
@@ -245,7 +255,7 @@ def test_server_stopped_during_promote(tmp_path, monkeypatch):
         uri = f"s3://{server.make_bucket()}/mars"
         store = open_store(uri)
         first = make_inputs(tmp_path / "a", "a")
-        promote(store, **first, log=quiet)
+        promote(store, **first, **PROD, log=quiet)
         big = make_inputs(tmp_path / "big", "big", weights_size=24 * MB)
         params = {"max_bandwidth_mb": 6, "multipart_threshold_mb": 5, "multipart_chunk_mb": 5, "max_attempts": 2,
                   "connect_timeout_s": 2}
@@ -295,7 +305,7 @@ def test_credentials_and_bucket_errors_name_what_failed_and_leak_nothing(s3_serv
 
 def test_racing_promotes_end_with_one_coherent_release(store_uri, tmp_path):
     store = open_store(StoreConfig(uri=store_uri))
-    promote(store, **make_inputs(tmp_path / "base", "base"), log=quiet)
+    promote(store, **make_inputs(tmp_path / "base", "base"), **PROD, log=quiet)
     racers = [make_inputs(tmp_path / name, name, weights_size=2 * MB) for name in ("x", "y")]
     procs = [run_mars("promote", *promote_args(inputs, store_uri), cwd=tmp_path / name, wait=False)
              for name, inputs in zip(("x", "y"), racers)]
@@ -338,10 +348,10 @@ def test_round_trip_of_a_real_model_through_s3(s3_server, monkeypatch, tmp_path)
     tokenizer.save_pretrained(ckpt)
     export_checkpoint(ckpt, tmp_path / "exports" / "mars",
                       ExportConfig(batch_size=2, window=8, max_context=64, tensorrt=False, latency_iters=1), log=quiet)
-    (tmp_path / "gate.json").write_text(json.dumps(GATE))
+    (tmp_path / "gate.json").write_text(json.dumps(bind(GATE, ckpt, tmp_path / "exports" / "mars")))
 
     promote(open_store(uri), gate=tmp_path / "gate.json", export=tmp_path / "exports" / "mars", checkpoint=ckpt,
-            log=quiet)
+            **PROD, log=quiet)
     dest = tmp_path / "elsewhere" / "release"
     manifest = pull(open_store(uri), "mars", dest, log=quiet)
 
@@ -356,3 +366,131 @@ def test_round_trip_of_a_real_model_through_s3(s3_server, monkeypatch, tmp_path)
     assert [r.token_ids for r in from_checkpoint] == [r.token_ids for r in reference]
     assert [r.token_ids for r in from_export] == [r.token_ids for r in reference]
     assert all(len(r.token_ids) > 0 for r in reference)
+
+
+# ---- trust boundaries (issue 16): each test is the attack --------------------------------------------
+def test_the_gate_binds_the_model_it_judged(tmp_path):
+    """Promote refuses another model under a passed gate, a decision naming nothing, an anonymous override."""
+    store = open_store(str(tmp_path / "store"))
+    judged, other = make_inputs(tmp_path / "judged", "judged"), make_inputs(tmp_path / "other", "other")
+    with pytest.raises(ReleaseError, match=r"this checkpoint \(sha256 \w+\.\.\.\) is not the one the gate judged"):
+        promote(store, gate=judged["gate"], export=other["export"], checkpoint=other["checkpoint"], **PROD,
+                log=quiet)
+    export_only = make_inputs(tmp_path / "copy", "judged")  # the same checkpoint, another export of it
+    (export_only["export"] / "model.onnx").write_bytes(b"not the judged engine")
+    with pytest.raises(ReleaseError, match=r"this export \(sha256 \w+\.\.\.\) is not the one the gate judged"):
+        promote(store, gate=judged["gate"], export=export_only["export"], checkpoint=judged["checkpoint"], **PROD,
+                log=quiet)
+    hand_written = tmp_path / "hand.json"
+    hand_written.write_text(json.dumps({"passed": True}))
+    with pytest.raises(ReleaseError, match="names no checkpoint sha256"):
+        promote(store, gate=hand_written, export=judged["export"], checkpoint=judged["checkpoint"], **PROD,
+                log=quiet)
+    anonymous = {**json.loads(judged["gate"].read_text()), "passed": False,
+                 "override": {"enabled": True, "reason": "ship it", "by": ""}}
+    hand_written.write_text(json.dumps(anonymous))
+    with pytest.raises(ReleaseError, match="no override recording a reason and who"):
+        promote(store, gate=hand_written, export=judged["export"], checkpoint=judged["checkpoint"], **PROD,
+                log=quiet)
+    assert not store.list("stages/")  # nothing was published
+    assert promote(store, **judged, **PROD, log=quiet)["version"] == "v1"
+
+
+def test_a_stored_object_altered_in_place_never_reaches_a_stage_pull_refuses(tmp_path):
+    """Fault injection: same-size corruption of stored objects and manifests, then promote, rollback and
+    pull by version. After every step prod still points at a release a pull accepts."""
+    store = open_store(str(tmp_path / "store"))
+    first, second = make_inputs(tmp_path / "a", "a"), make_inputs(tmp_path / "b", "b")
+    promote(store, **first, **PROD, log=quiet)
+    promote(store, **second, **PROD, log=quiet)
+
+    def prod_serves() -> str:
+        return pull(store, "mars", tmp_path / "service", log=quiet)["version"]
+
+    weights = hashlib.sha256((first["checkpoint"] / "model.safetensors").read_bytes()).hexdigest()
+    overwrite(store, object_key(weights), b"\x01" * 20_000)  # same size, other bytes
+    with pytest.raises(IntegrityError, match="sha256 mismatch.*refusing to roll prod back to v1"):
+        rollback(store, version="v1", **PROD, log=quiet)
+    assert prod_serves() == "v2"
+    with pytest.raises(IntegrityError, match="sha256 mismatch"):
+        pull(store, "mars", tmp_path / "pinned", stage=None, version="v1", log=quiet)
+
+    pointer = promote(store, **first, **PROD, log=quiet)  # a re-promote re-uploads the altered object
+    assert pointer["version"] == "v3" and prod_serves() == "v3"
+    assert_serves(str(store.root), first, tmp_path / "pinned", stage=None, version="v1")  # repaired, v1 too
+
+    manifest, _ = store.get_json(manifest_key("mars", "v2"))
+    manifest["tau"] = 0.1  # an edited manifest (its objects all intact)
+    overwrite(store, manifest_key("mars", "v2"), json.dumps(manifest).encode())
+    with pytest.raises(IntegrityError, match="does not match the release's seal"):
+        pull(store, "mars", tmp_path / "pinned-v2", stage=None, version="v2", log=quiet)
+    with pytest.raises(IntegrityError, match="does not match the release's seal"):
+        rollback(store, version="v2", **PROD, log=quiet)
+    assert prod_serves() == "v3"
+
+
+def test_killed_promote_and_pull_leave_nothing_the_next_run_does_not_remove(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    inputs = make_inputs(tmp_path / "a", "a")
+    promote(store, **inputs, **PROD, log=quiet)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that belonged to a run that is gone
+    alive = os.getpid()
+    weights = hashlib.sha256((inputs["checkpoint"] / "model.safetensors").read_bytes()).hexdigest()
+    objects = (store.root / object_key(weights)).parent
+    host = temp_prefix("x").split("-")[1]
+    leftovers = {
+        "upload": objects / f".{weights}.tmp-{host}-{dead.pid}-abc.tmp",
+        "pull": tmp_path / f".service.tmp-{host}-{dead.pid}-abc",
+        "swap": tmp_path / f".service.old-{host}-{dead.pid}-123",
+    }
+    live = objects / f".{weights}.tmp-{host}-{alive}-abc.tmp"  # a promote still running: kept
+    leftovers["upload"].write_bytes(b"partial")
+    live.write_bytes(b"partial")
+    for key in ("pull", "swap"):
+        leftovers[key].mkdir()
+        (leftovers[key] / "model.onnx").write_bytes(b"partial")
+    (store.root / object_key(weights)).unlink()  # so that the next promote uploads this object again
+    promote(store, **inputs, **PROD, log=quiet)
+    pull(store, "mars", tmp_path / "service", log=quiet)
+    assert not any(p.exists() for p in leftovers.values())
+    assert live.exists()
+
+
+def test_a_dvc_experiment_publishes_to_staging_and_never_moves_prod(tmp_path):
+    """`dvc exp run` runs the pipeline's own promote command: staging moves, prod does not; a promote
+    stage edited to say --stage prod is refused inside the experiment."""
+    import yaml
+    from project_copy import init_repo
+
+    root, store_dir = tmp_path / "project", tmp_path / "store"
+    inputs = make_inputs(tmp_path / "inputs", "exp")
+    stage = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["promote"]
+    for src, dest in ((inputs["gate"], "metrics/gate.json"), (inputs["export"], "exports/mars"),
+                      (inputs["checkpoint"], "checkpoints/mars/final")):
+        (root / dest).parent.mkdir(parents=True, exist_ok=True)
+        src.rename(root / dest)
+    (root / "params.yaml").write_text(yaml.safe_dump({"store": {"uri": str(store_dir)}, "knob": 1}))
+    deps = ["metrics/gate.json", "exports/mars", "checkpoints/mars/final"]
+    dvc_yaml = {"stages": {"promote": {"cmd": stage["cmd"], "deps": deps, "params": ["store", "knob"]}}}
+    (root / "dvc.yaml").write_text(yaml.safe_dump(dvc_yaml))
+    init_repo(root)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MARS_STORE_URI", None)
+
+    def exp_run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dvc", "exp", "run", *args], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    run = exp_run("-S", "knob=2")
+    assert run.returncode == 0, run.stdout + run.stderr
+    store = open_store(str(store_dir))
+    assert store.get_json(pointer_key("mars", "staging"))[0]["version"] == "v1"
+    assert "stages/mars/prod.json" not in store.list("stages/")
+
+    dvc_yaml["stages"]["promote"]["cmd"] = stage["cmd"].replace("--stage staging", "--stage prod")
+    (root / "dvc.yaml").write_text(yaml.safe_dump(dvc_yaml))
+    run = exp_run("-S", "knob=3")
+    assert run.returncode != 0
+    assert "the production stage is not moved from a DVC experiment" in run.stdout + run.stderr
+    assert "stages/mars/prod.json" not in store.list("stages/")

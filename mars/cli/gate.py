@@ -6,7 +6,6 @@ Exits 1 when the gate does not pass, so ``dvc repro`` and the flow stop there.
 from __future__ import annotations
 
 import argparse
-import getpass
 import sys
 
 from mars.cli.options import add_params_arguments, params_from_args
@@ -22,15 +21,17 @@ def main(argv: list[str], verb: str = "gate") -> int:
     parser.add_argument("--metrics", default="metrics/eval.json", help="evaluation metrics (mars evaluate)")
     parser.add_argument("--out", default="metrics/gate.json", help="where the decision goes")
     parser.add_argument("--eval-dir", help="mars evaluate's per-item outputs: adds paired standard errors")
+    parser.add_argument("--export", help="the export made from the candidate (its sha256 goes into the decision)")
     parser.add_argument("--override", metavar="REASON", help="pass the gate anyway, recording REASON")
-    parser.add_argument("--override-by", metavar="WHO", help="who overrides (default: the current user)")
+    parser.add_argument("--override-by", metavar="WHO", help="who overrides (required with --override)")
     args = parser.parse_args(argv)
     cfg = section(params_from_args(args), "gate", gate.GateConfig)
-    if args.override is not None:
-        cfg.override = gate.Override(True, args.override, args.override_by or getpass.getuser())
-    elif cfg.override.enabled and not cfg.override.by:
-        raise ConfigError("gate.override.by: an override must say who made it")
-    decision = gate.run_gate(args.metrics, args.out, cfg, eval_dir=args.eval_dir)
+    if args.override is not None or args.override_by is not None:
+        if not (args.override or "").strip() or not (args.override_by or "").strip():
+            raise ConfigError("--override REASON needs --override-by WHO (and the other way round): an override "
+                              "records why and who")
+        cfg.override = gate.Override(True, args.override, args.override_by)
+    decision = gate.run_gate(args.metrics, args.out, cfg, eval_dir=args.eval_dir, export=args.export)
     for c in decision["checks"]:
         pair = (f"; delta {c['delta']:+.4f} +- {c['paired_se']:.4f} paired SE" if "paired_se" in c and "delta" in c
                 else "")

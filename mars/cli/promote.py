@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import getpass
+import socket
 
 from mars.cli.options import add_params_arguments, add_store_argument, params_from_args, store_config
 
@@ -25,7 +27,10 @@ def _promote_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", default="checkpoints/mars/final", help="MARS checkpoint directory")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the tokenizer files of the checkpoint)")
     parser.add_argument("--name", help="release name (default: store.name)")
-    parser.add_argument("--stage", help="stage pointer to move (default: store.stage)")
+    parser.add_argument("--stage", help="stage pointer to move (default: staging; the production stage, store.stage, "
+                                        "only when named here, and never inside `dvc exp run`)")
+    parser.add_argument("--by", help="who publishes or rolls back, recorded in the release and the pointer "
+                                     "(default: USER@HOST)")
     parser.add_argument("--tau", type=float, help="default decoding threshold recorded in the release "
                                                   "(default: the gate's speed_tau if it checked one, else its tau)")
     parser.add_argument("--rollback", metavar="VERSION", help="move the stage back to an earlier release instead")
@@ -33,7 +38,7 @@ def _promote_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str], verb: str = "promote") -> int:
-    from mars.release.promote import promote, pull, rollback
+    from mars.release.promote import STAGING, guard_production, promote, pull, rollback
     from mars.release.store import open_store
 
     parser = _pull_parser() if verb == "pull" else _promote_parser()
@@ -46,10 +51,12 @@ def main(argv: list[str], verb: str = "promote") -> int:
         pull(store, args.name, args.to, stage=args.stage or cfg.stage if args.version is None else None,
              version=args.version)
         return 0
-    name, stage = args.name or cfg.name, args.stage or cfg.stage
+    name, stage = args.name or cfg.name, args.stage or STAGING
+    guard_production(stage, production=cfg.stage)
+    by = args.by or f"{getpass.getuser()}@{socket.gethostname()}"
     if args.rollback:
-        rollback(store, version=args.rollback, name=name, stage=stage)
+        rollback(store, version=args.rollback, name=name, stage=stage, by=by)
         return 0
     promote(store, gate=args.gate, export=args.export, checkpoint=args.checkpoint, tokenizer=args.tokenizer,
-            name=name, stage=stage, tau=args.tau)
+            name=name, stage=stage, tau=args.tau, by=by)
     return 0

@@ -2,7 +2,9 @@
 
 Every output is built beside its destination (same folder, so the final rename is atomic on one
 filesystem) and moved into place only when complete: a crash or an error leaves the previous
-output as it was and no half-written file behind.
+output as it was. A run killed outright (SIGKILL, power loss) cannot clean up, so temporary names
+carry the host and process that made them (:func:`temp_prefix`), and the next write of the same
+output removes what dead processes of this host left behind (:func:`sweep_stale`).
 """
 
 from __future__ import annotations
@@ -10,13 +12,56 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from mars.errors import MarsError
+
+
+_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
+def temp_prefix(name: str, kind: str = "tmp") -> str:
+    """The start of a temporary name for ``name``: ``.NAME.KIND-HOST-PID-`` (``kind``: tmp or old)."""
+    return f".{name}.{kind}-{_HOST}-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def sweep_stale(directory: str | Path, name: str) -> list[Path]:
+    """Remove the temporaries of ``name`` in ``directory`` whose process (on this host) is gone; returns them.
+
+    Another host's leftovers on a shared folder are kept: their process cannot be checked from here.
+    """
+    pattern = re.compile(rf"^\.{re.escape(name)}\.(?:tmp|old)-{re.escape(_HOST)}-(\d+)-")
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            Path(entry.path).unlink(missing_ok=True)
+        removed.append(Path(entry.path))
+    return removed
 
 
 @contextlib.contextmanager
@@ -27,7 +72,8 @@ def atomic_dir(out: str | Path) -> Iterator[Path]:
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    sweep_stale(out.parent, out.name)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; outputs are ordinary shared folders
     try:
         yield tmp
@@ -42,7 +88,7 @@ def replace_dir(tmp: Path, out: Path) -> None:
     first and deleted only once ``tmp`` is in place, or put back if the move fails."""
     old = None
     if out.exists():
-        old = out.with_name(f".{out.name}.old-{time.time_ns()}")
+        old = out.with_name(f"{temp_prefix(out.name, 'old')}{time.time_ns()}")
         out.rename(old)
     try:
         tmp.rename(out)
@@ -59,7 +105,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temp file path beside ``path``; it replaces ``path`` when the block ends without error."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    sweep_stale(path.parent, path.name)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=path.suffix, dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)

@@ -8,7 +8,8 @@ For each checkpoint (``--checkpoint NAME=DIR``, e.g. sft, ar_control, mars), eac
   text, forwards, score and the scorer's details), so every number traces back to its generations;
 - ``metrics/eval.json``: one flat entry per ``<checkpoint>/<benchmark>/tau=<tau>`` with ``score``,
   ``tokens_per_forward`` (generated tokens / decoding forwards, summed over items), ``tokens``,
-  ``forwards``, ``seconds`` (decoding wall clock), ``tokens_per_s``, ``n``, ``tau``, ``block_size``
+  ``forwards``, ``seconds`` (decoding wall clock), ``tokens_per_s``, ``n``, ``tau``, ``block_size``,
+  ``checkpoint_sha256`` (:func:`mars.core.digest.sha256_tree` of the folder evaluated: the gate binds to it)
   (+ ``agree_exact``, ``agree_prefix``, ``agree_prefix_frac``, ``ref_logprob`` against ``evaluate.reference``:
   :mod:`mars.evaluation.agreement`);
 - ``<out>/plots/<benchmark>/<checkpoint>.json``: accuracy vs tokens/forward rows for ``dvc plots``;
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mars.core.atomic import write_json, write_jsonl
+from mars.core.digest import sha256_tree
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.evaluation.benchmarks import BenchmarkConfig, Context, create
 from mars.errors import ConfigError, MarsError
@@ -215,9 +217,12 @@ def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, o
     metrics: dict[str, dict] = {}
     started = time.perf_counter()
     for name, path in checkpoints.items():
+        # what the numbers are about: the gate copies it into its decision, promote checks it
+        digest = sha256_tree(path) if Path(path).is_dir() else None
         model, tokenizer = load_model(path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
                                       device=cfg.device)
-        metrics.update(evaluate_model(name, model, tokenizer, benchmarks, items, cfg, out_dir, log=log))
+        entries = evaluate_model(name, model, tokenizer, benchmarks, items, cfg, out_dir, log=log)
+        metrics.update({key: {**entry, "checkpoint_sha256": digest} for key, entry in entries.items()})
         del model
     if cfg.reference is not None:
         add_agreement(metrics, checkpoints, cfg, out_dir, log=log)

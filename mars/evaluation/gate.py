@@ -17,7 +17,12 @@ score differences of the same items, not two independent samples.
 
 The decision and every number it used go to ``metrics/gate.json``; the verb exits 1 when the gate does
 not pass, so ``dvc repro`` and the flow stop. An explicit override (``gate.override`` in params, or
-``--override REASON``) passes it anyway and is recorded as such.
+``--override REASON --override-by WHO``) passes it anyway and is recorded as such: reason and who.
+
+The decision names what it judged (``artifacts``): the sha256 of the candidate checkpoint as
+``mars evaluate`` recorded it in every entry (``checkpoint_sha256``, :func:`mars.core.digest.sha256_tree`),
+and, where the gate runs after the export, the sha256 of the export made from it. ``mars promote``
+publishes only those exact bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mars.core.atomic import read_json, write_json
-from mars.core.digest import sha256_file
+from mars.core.digest import is_sha256, sha256_file, sha256_tree
 from mars.errors import ConfigError, MarsError
 from mars.evaluation.metric_key import MetricKey, metric_key
 
@@ -40,6 +45,8 @@ class Override:
     def __post_init__(self):
         if self.enabled and not self.reason.strip():
             raise ConfigError("reason: an override needs a reason")
+        if self.enabled and not self.by.strip():
+            raise ConfigError("by: an override must say who made it")
 
 
 @dataclass
@@ -222,11 +229,42 @@ def item_scores_from(eval_dir: str | Path):
     return scores
 
 
-def run_gate(metrics_path: str | Path, out: str | Path, cfg: GateConfig, eval_dir: str | Path | None = None) -> dict:
-    """Decide on ``metrics_path`` (+ paired standard errors from ``eval_dir``'s per-item outputs, where given)."""
+def evaluated_sha256(metrics: dict, checkpoint: str, where: str | Path) -> str:
+    """The sha256 of the checkpoint ``mars evaluate`` evaluated as ``checkpoint`` (one value in all its entries)."""
+    found = {e.get("checkpoint_sha256") for k, e in metrics.items() if MetricKey.parse(k).checkpoint == checkpoint}
+    if len(found) != 1 or not is_sha256(next(iter(found))):
+        state = "no entries" if not found else "no checkpoint_sha256" if found == {None} else "several checkpoint_sha256"
+        raise MarsError(f"{where}: {state} for {checkpoint!r}: cannot tell which checkpoint was evaluated "
+                        "(run `mars evaluate` again: it records the sha256 of each checkpoint it evaluates)")
+    return next(iter(found))
+
+
+def judged_artifacts(metrics: dict, metrics_path: str | Path, cfg: GateConfig,
+                     export: str | Path | None = None) -> dict:
+    """What the decision is about: the candidate's sha256 and, given ``export``, the export's, after
+    checking that the export was made from that very checkpoint."""
+    checkpoint = evaluated_sha256(metrics, cfg.candidate, metrics_path)
+    artifacts = {"checkpoint": {"name": cfg.candidate, "sha256": checkpoint}}
+    if export is not None:
+        export = Path(export)
+        manifest = read_json(export / "manifest.json", "not an export: run `mars export`")
+        made_from = (manifest.get("checkpoint") or {}).get("sha256") if isinstance(manifest, dict) else None
+        if made_from != checkpoint:
+            raise MarsError(f"{export}: exported from checkpoint sha256 {str(made_from)[:12]}..., not the "
+                            f"{cfg.candidate} evaluated in {metrics_path} ({checkpoint[:12]}...): export the "
+                            "evaluated checkpoint")
+        artifacts["export"] = {"path": str(export), "sha256": sha256_tree(export)}
+    return artifacts
+
+
+def run_gate(metrics_path: str | Path, out: str | Path, cfg: GateConfig, eval_dir: str | Path | None = None,
+             export: str | Path | None = None) -> dict:
+    """Decide on ``metrics_path`` (+ paired standard errors from ``eval_dir``'s per-item outputs, where given);
+    the decision records the sha256 of the evaluated candidate and of ``export``, the export made from it."""
     metrics = read_metrics(metrics_path)  # raises first when the file is missing or malformed
     decision = decide(metrics, cfg, item_scores_from(eval_dir) if eval_dir is not None else None)
     decision["metrics"] = str(metrics_path)
     decision["metrics_sha256"] = sha256_file(metrics_path)
+    decision["artifacts"] = judged_artifacts(metrics, metrics_path, cfg, export)
     write_json(out, decision)
     return decision

@@ -4,7 +4,8 @@ A store is a URI: a plain path or ``file://PATH`` (embedded default, no server),
 ``s3://BUCKET/PREFIX`` through boto3 (AWS or any S3-compatible server such as SeaweedFS). It holds
 
 - content-addressed objects ``objects/sha256/<2 hex>/<sha256>`` (a file is stored once, under the
-  hash of its bytes; a re-promote of an unchanged checkpoint uploads nothing), and
+  hash of its bytes; a re-promote of an unchanged checkpoint uploads nothing once each stored
+  object has been read back and found to hold exactly those bytes), and
 - small JSON documents (release manifests, stage pointers) written whole.
 
 Every write is atomic: a directory store writes a temp file and renames it; S3 shows an object only
@@ -31,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from mars.core.digest import sha256_bytes, sha256_file
+from mars.core.atomic import sweep_stale, temp_prefix
+from mars.core.digest import sha256_bytes, sha256_chunks, sha256_file
 from mars.errors import ConfigError, MarsError
 
 MB = 1024 * 1024
@@ -151,17 +153,29 @@ class Store:
         """
         raise NotImplementedError
 
+    def _read_chunks(self, key: str) -> Iterator[bytes]:
+        """The bytes of object ``key`` in chunks, without a local copy."""
+        raise NotImplementedError
+
     # -- content-addressed objects ---------------------------------------------------------------
+    def object_sha256(self, key: str) -> str:
+        """The sha256 of the bytes stored at ``key`` now (read back in full: a size says nothing about content)."""
+        return sha256_chunks(self._read_chunks(key))
+
     def put_object(self, src: Path, sha256: str, size: int) -> bool:
-        """Store file ``src`` under its hash; False when an object of that hash and size already exists."""
+        """Store file ``src`` under its hash; False when the object is already there with exactly those bytes.
+
+        An existing object is read back and hashed before it is reused: one altered in place (same size)
+        is uploaded again, so a release never refers to bytes other than the ones it lists.
+        """
         key = object_key(sha256)
-        if self.size(key) == size:
+        if self.size(key) == size and self.object_sha256(key) == sha256:
             return False
         self._upload(src, key, sha256, size)
         return True
 
-    def get_object(self, sha256: str, size: int, dest: Path, label: str = "") -> None:
-        """Download the object ``sha256`` to ``dest`` and verify it; a short or altered object is refused."""
+    def _check_size(self, sha256: str, size: int, label: str) -> tuple[str, str]:
+        """(key, description) of object ``sha256`` after checking it is stored with ``size`` bytes."""
         key = object_key(sha256)
         what = f"{self.where(key)}" + (f" ({label})" if label else "")
         stored = self.size(key)
@@ -170,6 +184,18 @@ class Store:
         if stored != size:
             raise IntegrityError(f"{what}: object has {stored} bytes, the release records {size}: partial or "
                                  "altered object, refused")
+        return key, what
+
+    def verify_object(self, sha256: str, size: int, label: str = "") -> None:
+        """Raise (NotFound / IntegrityError) unless object ``sha256`` is stored with exactly its bytes."""
+        key, what = self._check_size(sha256, size, label)
+        got = self.object_sha256(key)
+        if got != sha256:
+            raise IntegrityError(f"{what}: sha256 mismatch (got {got}): corrupt or tampered object, refused")
+
+    def get_object(self, sha256: str, size: int, dest: Path, label: str = "") -> None:
+        """Download the object ``sha256`` to ``dest`` and verify it; a short or altered object is refused."""
+        key, what = self._check_size(sha256, size, label)
         self._download(key, dest, size)
         got = sha256_file(dest)
         if got != sha256:
@@ -221,9 +247,17 @@ class DirStore(Store):
     def _temp(self, key: str) -> Path:
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        sweep_stale(path.parent, path.name)  # what a killed promote left of this object
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=".tmp", dir=path.parent)
         os.close(fd)
         return Path(tmp)
+
+    def _read_chunks(self, key: str) -> Iterator[bytes]:
+        try:
+            with open(self.root / key, "rb") as fh:
+                yield from iter(lambda: fh.read(CHUNK), b"")
+        except FileNotFoundError:
+            raise NotFound(f"{self.where(key)}: no such object") from None
 
     def _copy(self, src: Path, dest: Path, size: int, desc: str) -> None:
         """Chunked copy with the bandwidth cap and progress bar the S3 path has too."""
@@ -411,6 +445,15 @@ class S3Store(Store):
     def get_bytes(self, key: str) -> bytes:
         resp = self._call("get", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))
         return self._call("get", key, resp["Body"].read)
+
+    def _read_chunks(self, key: str) -> Iterator[bytes]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        resp = self._call("get", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))
+        try:
+            yield from resp["Body"].iter_chunks(CHUNK)
+        except (ClientError, BotoCoreError) as err:
+            raise self._fail(err, key, "get") from None
 
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
         from botocore.exceptions import ClientError
