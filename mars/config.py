@@ -96,7 +96,8 @@ def load_params(path: str | Path = DEFAULT_PARAMS, overrides: typing.Iterable[st
 
 # pydantic error type -> what the key should have held
 _EXPECTED = {
-    "int_type": "an integer", "float_type": "a number", "bool_type": "true or false", "string_type": "a string",
+    "int_type": "an integer", "float_type": "a number", "finite_number": "a finite number",
+    "bool_type": "true or false", "string_type": "a string",
     "list_type": "a list", "dict_type": "a mapping", "dataclass_type": "a mapping", "dataclass_exact_type": "a mapping",
 }
 
@@ -106,8 +107,9 @@ def _schema(cls: Any):
     from pydantic import ConfigDict, create_model
 
     # The config reaches nested stdlib dataclasses too, so the library's classes need no pydantic.
-    return create_model(f"Section_{getattr(cls, '__name__', 'value')}", __config__=ConfigDict(extra="forbid"),
-                        value=(cls, ...))
+    # No float param may be inf or nan (`-S train.lr=.inf` trains to NaN at step 2).
+    return create_model(f"Section_{getattr(cls, '__name__', 'value')}",
+                        __config__=ConfigDict(extra="forbid", allow_inf_nan=False), value=(cls, ...))
 
 
 def _field_type(hint: Any, loc: tuple) -> Any:

@@ -95,7 +95,7 @@ def test_malformed_rows_are_counted_with_their_reasons(base, tmp_path):
     s = stats_of(out)
     assert s["skipped"] == {"bad_json": 1, "empty_response": 1, "wrong_type": 1, "non_utf8": 1,
                             "missing_response": 1, "not_an_object": 1, "too_long": 1}
-    assert s["rows_read"] == 9 and s["kept"] == 2  # the blank line is not a row
+    assert s["rows_read"] == 9 and s["kept"] == 2 and s["blank_lines"] == 1  # a blank line is not a row
     wheres = {p["reason"]: p["where"] for p in s["problems"]}
     assert wheres["bad_json"] == f"{src}:2" and wheres["non_utf8"] == f"{src}:5"
     assert [r["input_ids"][-1] for r in load_split(out, "train")] == [load_meta(out)["eos_token_id"]] * 2
@@ -188,3 +188,34 @@ def test_data_section_is_validated():
         DataConfig(source="x.jsonl", families=["sorting"])
     with pytest.raises(ConfigError, match="data.overlong"):
         build(DataConfig, {"overlong": "cut"}, "data")
+
+
+# ---- bad input (issue 16): each of these crashed or passed silently -------------------------------------
+def test_a_lone_surrogate_is_a_counted_skip_and_blank_lines_are_counted(base, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "rows.jsonl", [
+        {"prompt": "Say hi.", "response": "hi"},
+        '{"prompt": "\\ud800", "response": "x"}',  # valid JSON, not text: crashed the tokenizer
+        "",
+        '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\\udfff"}]}',
+        "   ",
+        {"prompt": "Say ho.", "response": "ho"},
+    ])
+    out = tmp_path / "prepared"
+    assert main(["prepare", "--params", str(ROOT / "params.yaml"), "-S", f"data.source={src}", "-S",
+                 "data.n_heldout=0", "--base", str(base), "--out", str(out)]) == 0
+    s = stats_of(out)
+    assert s["skipped"] == {"non_utf8": 2} and s["kept"] == 2
+    assert s["rows_read"] == 4 and s["blank_lines"] == 2
+    assert [p["where"] for p in s["problems"]] == [f"{src}:2", f"{src}:4"]
+    assert "surrogate" in s["problems"][0]["detail"]
+    assert "(+ 2 blank lines)" in capsys.readouterr().out
+
+
+def test_a_tiny_file_is_not_carved_into_almost_nothing_to_train_on(base, tmp_path):
+    src = write_jsonl(tmp_path / "tiny.jsonl", [{"prompt": f"Add {i} and 1.", "response": str(i + 1)}
+                                                for i in range(40)])
+    with pytest.raises(DataError, match=r"tiny\.jsonl: 40 usable rows; holding out 39 .* leave 1 to train on: "
+                                        r"lower data\.n_heldout \(at most 20\)"):
+        prepare(DataConfig(source=str(src), n_heldout=400), base, tmp_path / "prepared")
+    meta = prepare(DataConfig(source=str(src), n_heldout=20), base, tmp_path / "prepared")
+    assert meta["counts"] == {"train": 20, "heldout": 20}

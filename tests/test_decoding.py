@@ -526,3 +526,28 @@ def test_bench_reports_medians_speedups_and_ceiling_against_hf():
         assert rows[bs, "mars", 1.0]["ceiling_speedup"] == 1.0
         assert rows[bs, "mars", 0.5]["tokens_per_forward"] > 1.0 and rows[bs, "mars", 0.5]["ceiling_speedup"] > 0
     assert "mars tau=0.5" in format_table(report)
+
+
+def test_a_model_never_trained_with_masks_is_refused_below_tau_1():
+    """An AR checkpoint (config.mars.objective: ar) or a base model (a mask token, no config.mars) is
+    confidently wrong below tau = 1: refused there unless the caller asks for it; tau = 1 and lossless stay."""
+    prompts = random_prompts((5, 9))
+    ar = mars_model()
+    ar.config.mars = {**ar.config.mars, "objective": "ar", "stage": "ar_control"}
+    base = mars_model()
+    del base.config.mars
+    base.config.mask_token_id = MASK
+    for model, what in ((ar, "config.mars.objective is ar"), (base, "no config.mars")):
+        with pytest.raises(MarsError, match=f"never trained with masks.*{what}.*allow_untrained"):
+            generate(model, None, prompts, tau=[1.0, 0.9], block_size=B, max_new_tokens=4)
+        assert len(generate(model, None, prompts, tau=1.0, max_new_tokens=4)) == 2
+        assert len(generate(model, None, prompts, mode="lossless", block_size=B, max_new_tokens=4)) == 2
+        assert len(generate(model, None, prompts, tau=0.9, block_size=B, max_new_tokens=4, allow_untrained=True)) == 2
+    trained = mars_model()
+    trained.config.mars = {**trained.config.mars, "objective": "mars"}
+    assert len(generate(trained, None, prompts, tau=0.9, max_new_tokens=4)) == 2
+
+
+def test_a_block_larger_than_the_models_context_is_refused():
+    with pytest.raises(MarsError, match=r"block_size: 100000 is more than the model's context \(256 positions\)"):
+        generate(mars_model(), None, random_prompts((3,)), tau=0.9, block_size=100_000, max_new_tokens=4)

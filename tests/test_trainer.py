@@ -384,3 +384,15 @@ def test_resume_refuses_a_checkpoint_holding_a_crafted_pickle(init_dir, tmp_path
             planted.write_bytes(original)
     state = json.loads((step / "trainer_state.json").read_text())
     assert state["scheduler"]["last_epoch"] == 2  # the scheduler travels as plain JSON
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.mars.block_size=100000", r"train\.mars\.block_size: 100000 is more than max_length=128"),  # tried 40 GB
+    ("train.mars.block_size=1000", r"train\.mars\.block_size: 1000 is more than max_length=128"),
+    ("train.lr=.inf", r"train\.lr: expected a finite number, got inf"),  # trained to NaN at step 2
+    ("train.mars.lr=.nan", r"train\.mars\.lr: expected a finite number, got nan"),
+    ("train.max_grad_norm=.inf", r"train\.max_grad_norm: expected a finite number"),
+])
+def test_out_of_range_knobs_from_the_command_line_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        section(load_params(ROOT / "params.yaml", [override]), "train", TrainConfig)

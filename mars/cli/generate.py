@@ -23,6 +23,8 @@ def main(argv: list[str], verb: str = "generate") -> int:
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--b-cache", type=int, help="block-level cache of this many positions (default: token level)")
     parser.add_argument("--no-cache", action="store_true", help="run the no-cache reference loop")
+    parser.add_argument("--allow-untrained", action="store_true", help="decode below tau = 1 a model never trained "
+                                                                         "with masks (confidently wrong there)")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text ('-' reads one prompt per line "
                                                                       "from stdin)")
@@ -39,6 +41,7 @@ def main(argv: list[str], verb: str = "generate") -> int:
         max_new_tokens=pick(args.max_new_tokens, cfg.max_new_tokens),
         batch_size=pick(args.batch_size, cfg.batch_size), b_cache=pick(args.b_cache, cfg.b_cache),
         use_cache=cfg.use_cache and not args.no_cache, progress=not args.json and len(prompts) > 1,
+        allow_untrained=args.allow_untrained,
     )
     for prompt, result in zip(prompts, results):
         if args.json:

@@ -19,7 +19,8 @@ def print_summary(meta: dict, stats_path: Path, seconds: float) -> None:
         s = stats[split]
         tok = s["tokens"].get("total", {})
         skipped = ", ".join(f"{k} {v}" for k, v in s["skipped"].items()) or "none"
-        print(f"{split}: {s['kept']} examples from {s['rows_read']} rows; tokens mean {tok.get('mean')} "
+        blank = f" (+ {s['blank_lines']} blank lines)" if s.get("blank_lines") else ""
+        print(f"{split}: {s['kept']} examples from {s['rows_read']} rows{blank}; tokens mean {tok.get('mean')} "
               f"max {tok.get('max')}; truncated {s['truncated']}; skipped: {skipped}")
     print(f"prepared {meta['source']} in {seconds:.1f}s (mask id {meta['mask_token_id']}, "
           f"max_length {meta['max_length']})")

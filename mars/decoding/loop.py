@@ -490,11 +490,27 @@ def _modes(mode, count: int) -> list[str]:
     return modes
 
 
+def check_mask_trained(config) -> None:
+    """Refuse threshold decoding below tau = 1 on a model never trained with masks: no ``config.mars``
+    (a base model, a plain causal LM) or ``config.mars.objective: ar`` (sft, ar_control). Such a model
+    puts high probability on wrong tokens in the mask slots, so tau accepts them: confidently wrong."""
+    info = CheckpointInfo.from_config(config)
+    if info is not None and info.objective != "ar":
+        return
+    name = getattr(config, "_name_or_path", "") or "the model"
+    what = ("it has no config.mars (a base model or a plain causal LM)" if info is None
+            else f"config.mars.objective is ar (stage {info.stage})")
+    raise MarsError(f"tau < 1: {name} was never trained with masks ({what}), and below tau = 1 it accepts "
+                    "confidently wrong tokens; decode it at tau = 1.0 or in lossless mode, or pass "
+                    "allow_untrained=True (mars generate --allow-untrained) to measure it anyway")
+
+
 def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = None,
              tau: float | Sequence[float] = DecodeConfig.tau, mode: str | Sequence[str] = DecodeConfig.mode,
              max_new_tokens: int = DecodeConfig.max_new_tokens, batch_size: int = DecodeConfig.batch_size,
              use_cache: bool = True, b_cache: int | None = None, stop_token_ids: Iterable[int] = (),
-             backend: DecodeBackend | None = None, progress: bool = False) -> Generations:
+             backend: DecodeBackend | None = None, progress: bool = False,
+             allow_untrained: bool = False) -> Generations:
     """Decode ``prompts`` with MARS: block size B, threshold ``tau`` (one float, or one per prompt).
 
     ``mode`` (one, or one per prompt, mixed freely with per-prompt tau in one batch): ``"tau"`` accepts
@@ -510,6 +526,9 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
     for the block-level cache; ``use_cache=False`` runs the no-cache reference loop. Decoding stops at a
     stop token (EOS of the tokenizer and the generation config, plus ``stop_token_ids``), at
     ``max_new_tokens`` or at the model's context.
+
+    tau < 1 in ``"tau"`` mode is refused for a model never trained with masks (:func:`check_mask_trained`)
+    unless ``allow_untrained`` (an evaluation that measures exactly that, e.g. the AR baselines' sweep).
     """
     started = time.perf_counter()
     config = getattr(model, "config", model)
@@ -533,10 +552,14 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
         from mars.core.mask_token import mask_token_id
 
         mask_id = mask_token_id(model, tokenizer)  # raises MaskTokenError for a non-MARS checkpoint
+        if not allow_untrained and any(t < 1.0 and m == "tau" for t, m in zip(taus, modes)):
+            check_mask_trained(config)
     if b_cache is not None and use_cache and b_cache < block_size:
         raise MarsError(f"b_cache: the cache block ({b_cache}) must be at least the block size ({block_size})")
     encoded = encode_prompts(tokenizer, prompts)
     context = _context_length(config)
+    if context is not None and block_size > context:
+        raise MarsError(f"block_size: {block_size} is more than the model's context ({context} positions)")
     rooms = []
     for i, ids in enumerate(encoded):
         if context is not None and len(ids) >= context:

@@ -73,7 +73,8 @@ class StoreConfig:
     max_bandwidth_mb: float | None = None
     # Files at least this large get a progress bar (on a terminal).
     progress_min_mb: int = 32
-    # Defaults of `mars promote` / `mars pull`: the release name and the stage pointer to move.
+    # The release name `mars promote` / `mars pull` use; the production stage `mars pull` follows (promote
+    # publishes to staging unless told `--stage prod`, and never moves this stage inside `dvc exp run`).
     name: str = "mars"
     stage: str = "prod"
     # The DVC remote that `mars store configure-dvc` points at <store>/dvc.

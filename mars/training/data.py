@@ -96,6 +96,7 @@ class Problem:
 @dataclass
 class SplitStats:
     rows_read: int = 0
+    blank_lines: int = 0  # JSONL lines with nothing on them (not rows)
     kept: int = 0
     truncated: int = 0
     skipped: Counter = field(default_factory=Counter)
@@ -118,6 +119,7 @@ class SplitStats:
 
         return {
             "rows_read": self.rows_read,
+            "blank_lines": self.blank_lines,
             "kept": self.kept,
             "skipped": dict(sorted(self.skipped.items())),
             "skipped_total": sum(self.skipped.values()),
@@ -126,6 +128,9 @@ class SplitStats:
             "tokens": {k: summary(v) for k, v in self.lengths.items()},
             "problems": self.problems,
         }
+
+
+BLANK = object()  # what a reader yields for a blank line of a JSONL file
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
@@ -138,7 +143,8 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
                 yield where, Problem(where, "non_utf8", str(err))
                 continue
             if not line.strip():
-                continue  # blank lines are not rows
+                yield where, BLANK  # not a row, but counted
+                continue
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as err:
@@ -215,6 +221,7 @@ def _text(value: Any) -> str:
         return value.decode("utf-8")  # UnicodeDecodeError -> non_utf8
     if not isinstance(value, str):
         raise TypeError(type(value).__name__)
+    value.encode("utf-8")  # a lone surrogate ("\ud800" in JSON) is no text: UnicodeEncodeError -> non_utf8
     return value
 
 
@@ -250,7 +257,7 @@ def to_record(row: Any, where: str, tokenizer, cfg: DataConfig, default_id: str)
                 return Problem(where, "missing_response", f"no {cfg.response_column!r}")
             prompt, response = _text(row[cfg.prompt_column]), _text(row[cfg.response_column])
             context = [{"role": "user", "content": prompt}]
-    except UnicodeDecodeError as err:
+    except UnicodeError as err:  # bytes that are not UTF-8, or a string holding a lone surrogate
         return Problem(where, "non_utf8", str(err))
     except TypeError as err:
         return Problem(where, "wrong_type", f"expected text, got {err}")
@@ -298,6 +305,9 @@ def _validate(rows: Iterator[tuple[str, Any]], tokenizer, cfg: DataConfig, stats
               name: str) -> list[Record]:
     records = []
     for i, (where, row) in enumerate(rows):
+        if row is BLANK:
+            stats.blank_lines += 1
+            continue
         stats.rows_read += 1
         rec = to_record(row, where, tokenizer, cfg, f"{name}-{i}")
         if isinstance(rec, Problem):
@@ -328,9 +338,14 @@ def collect(cfg: DataConfig, tokenizer) -> tuple[dict[str, list[Record]], dict[s
         held = _validate(rows, tokenizer, cfg, stats["heldout"], name)[: cfg.n_heldout]
     else:
         # Carve the held-out rows out of the source by a seeded draw; the rest stays in source order.
+        n_held = min(cfg.n_heldout, len(train) - 1)
+        if len(train) - n_held < n_held:
+            raise DataError(f"{cfg.source}: {len(train)} usable rows; holding out {n_held} of them (data.n_heldout="
+                            f"{cfg.n_heldout}) would leave {len(train) - n_held} to train on: lower data.n_heldout "
+                            f"(at most {len(train) // 2}) or give a held-out file (data.heldout)")
         order = list(range(len(train)))
         random.Random(f"mars-data:{cfg.seed}").shuffle(order)
-        chosen = set(order[: min(cfg.n_heldout, len(train) - 1)])
+        chosen = set(order[:n_held])
         held = [r for i, r in enumerate(train) if i in chosen]
         train = [r for i, r in enumerate(train) if i not in chosen]
         stats["heldout"].rows_read = len(held)

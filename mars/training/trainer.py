@@ -137,6 +137,8 @@ class TrainConfig:
                 raise ConfigError(f"{key}: invalid value {getattr(self, key)!r}")
         if self.batch_size % self.grad_accum:
             raise ConfigError(f"batch_size: {self.batch_size} is not a multiple of grad_accum={self.grad_accum}")
+        if self.mars.block_size > self.max_length:  # a block longer than any example: masks past every response
+            raise ConfigError(f"mars.block_size: {self.mars.block_size} is more than max_length={self.max_length}")
         for name in STAGES:
             if name != "sft" and not self.stage(name).enabled:
                 raise ConfigError(f"{name}.enabled: only the sft stage can be left out")
