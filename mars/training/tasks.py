@@ -67,8 +67,8 @@ class TasksConfig:
 
     train_seed: int = 0
     heldout_seed: int = 1_000_000
-    n_train: int = 48  # pool prompts per pool family (fewer when the content space runs out; counted)
-    n_heldout: int = 48  # held-out items per family
+    n_train: int = 40  # pool prompts per pool family (fewer when the content space runs out; counted)
+    n_heldout: int = 32  # held-out items per family
     families: dict[str, TaskFamily] = field(default_factory=default_families)
 
     def __post_init__(self):
