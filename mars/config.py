@@ -134,7 +134,7 @@ def _describe(error: dict, cls: Any, key: str) -> str:
         parent, name = where.rsplit(".", 1)
         known = ", ".join(f.name for f in dataclasses.fields(_field_type(cls, loc[:-1])) if f.init)
         return f"{parent}: unknown key {name!r} (known: {known})"
-    if kind == "missing_argument":
+    if kind in ("missing_argument", "missing"):
         return f"{where}: missing required key"
     if kind == "literal_error":
         return f"{where}: expected {error['ctx']['expected']}, got {error['input']!r}"

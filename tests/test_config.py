@@ -105,6 +105,7 @@ def test_every_section_of_every_profile_builds(profile):
 
 
 def test_types_are_strict_and_errors_name_the_whole_key_once():
+    from mars.core.checkpoint_info import CheckpointInfo
     from mars.evaluation.gate import GateConfig
     from mars.training.trainer import TrainConfig
 
@@ -117,6 +118,7 @@ def test_types_are_strict_and_errors_name_the_whole_key_once():
         (TrainConfig, {"mars": {"epochs": 1, "blocksize": 8}}, "train", "train.mars: unknown key 'blocksize' (known: epochs"),
         (GateConfig, {"override": {"enabled": True}}, "gate", "gate.override.reason: an override needs a reason"),
         (GateConfig, {"override": "yes"}, "gate", "gate.override: expected a mapping, got 'yes'"),
+        (CheckpointInfo, {"block_size": 4}, "config.mars", "config.mars.mask_token_id: missing required key"),
     ]
     for cls, data, key, message in cases:
         with pytest.raises(ConfigError) as err:
