@@ -34,6 +34,31 @@ def tiny_model(arch: str = "llama", attn: str = "sdpa", seed: int = 0, vocab: in
     return model.eval()
 
 
+def periodic(n: int, length: int, seed: int, period: int = 3) -> list[list[int]]:
+    """``n`` sequences that each repeat a random phrase of ``period`` token ids below 60."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 60, (period,), generator=g).tolist() * length)[:length] for _ in range(n)]
+
+
+def train_to_draft(model, mask_token_id: int, block_size: int = 4, steps: int = 150):
+    """MARS-train ``model`` in place (seconds) on repeated phrases, after a 7-token prompt: its mask slots
+    then predict what greedy decoding will say, so lossless drafts verify (a random model's seldom do)."""
+    from mars.core.batch import build_batch
+    from mars.core.loss import compute_loss
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        examples = [{"input_ids": x, "prompt_len": 7} for x in periodic(16, 23, seed=step)]
+        batch = build_batch(examples, objective="mars", block_size=block_size, mask_token_id=mask_token_id,
+                            pad_token_id=0, block_offset="random", generator=g)
+        optimizer.zero_grad()
+        compute_loss(model, batch).loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct (real weights), converted to safetensors once into the mars cache."""

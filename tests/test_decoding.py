@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import periodic, tiny_model, train_to_draft
 
 from mars.cli.generate import main as generate_cli
 from mars.decoding.loop import GenerationResult, accept, generate
@@ -328,33 +328,13 @@ def test_lossless_is_hf_greedy_token_for_token_at_every_block_size(arch):
             assert all(r.mode == "lossless" for r in results)
 
 
-PERIOD, DRAFT_EOS = 3, 30
-
-
-def periodic(n: int, length: int, seed: int) -> list[list[int]]:
-    """Sequences that repeat a random phrase of PERIOD tokens (ids below 60)."""
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 60, (PERIOD,), generator=g).tolist() * length)[:length] for _ in range(n)]
+DRAFT_EOS = 30
 
 
 @pytest.fixture(scope="module")
 def drafting_model():
-    """A tiny Llama MARS-trained (B = 4, ~150 steps, seconds) on repeated phrases: its mask slots predict
-    what greedy decoding will say, so lossless drafts verify, unlike a random model's."""
-    from mars.core.batch import build_batch
-    from mars.core.loss import compute_loss
-
-    model = tiny_model("llama", vocab=VOCAB).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    for step in range(150):
-        examples = [{"input_ids": x, "prompt_len": 7} for x in periodic(16, 23, seed=step)]
-        batch = build_batch(examples, objective="mars", block_size=B, mask_token_id=MASK, pad_token_id=0,
-                            block_offset="random", generator=g)
-        optimizer.zero_grad()
-        compute_loss(model, batch).loss.backward()
-        optimizer.step()
-    model.eval()
+    """A tiny Llama MARS-trained (B = 4) on repeated phrases: lossless drafts verify, unlike a random model's."""
+    model = train_to_draft(tiny_model("llama", vocab=VOCAB), MASK, block_size=B)
     model.config.mars = {"block_size": B, "mask_token_id": MASK}
     model.generation_config.eos_token_id = DRAFT_EOS  # a token it has learnt to repeat
     return model
@@ -436,6 +416,9 @@ def test_lossless_rows_refill_and_mix_with_tau_rows_as_if_alone(drafting_model):
     ([[3], [4]], dict(tau=[0.9]), "tau"),
     ([[3]], dict(tau=0.9, block_size=0), "block_size"),
     ([[3]], dict(tau=0.9, b_cache=2), "b_cache"),
+    ([[3]], dict(mode="fast"), "mode: must be one of tau, lossless, got 'fast'"),
+    ([[3], [4]], dict(mode=["lossless"]), "mode: got 1 values for 2 prompts"),
+    ([[3], [4]], dict(mode=["lossless", "greedy"]), r"mode\[1\]"),
 ])
 def test_bad_input_is_a_clear_error(prompts, kwargs, message):
     with pytest.raises(MarsError, match=message):
@@ -448,6 +431,8 @@ def test_a_checkpoint_without_mask_token_cannot_decode_below_tau_one():
         generate(model, None, [[3, 4]], tau=0.9, block_size=4, max_new_tokens=4)
     with pytest.raises(MarsError, match="block_size"):
         generate(model, None, [[3, 4]], tau=0.9, max_new_tokens=4)
+    with pytest.raises(MarsError, match="mask token"):  # lossless drafts come from the mask slots too
+        generate(model, None, [[3, 4]], mode="lossless", block_size=4, max_new_tokens=4)
 
 
 # ------------------------------------------------------------------------------------------- SmolLM2, CLI
@@ -473,6 +458,34 @@ def test_smollm2_tau_one_is_hf_greedy_on_chat_prompts(smollm2_dir):
         assert [r.prompt_token_ids for r in results] == [list(ids) for ids in encoded]
         assert tokens(results) == alone
         assert [r.text for r in results] == [tokenizer.decode(a, skip_special_tokens=True) for a in alone]
+
+
+@pytest.mark.slow
+def test_smollm2_lossless_is_hf_greedy_at_every_block_size(smollm2_dir):
+    """Real weights (fp32) with a fresh mask token: its drafts are seldom right, the output always is."""
+    from mars.core.mask_token import add_mask_token
+    from mars.core.models import load_model
+
+    model, tokenizer = load_model(smollm2_dir)
+    model.config.mars = {"block_size": 4, "mask_token_id": add_mask_token(model, tokenizer).token_id}
+    counting = tokenizer("1, 2, 3, 4, 5, 6, 7, 8,", add_special_tokens=False)["input_ids"]
+    prompts = CHAT + [counting]  # ragged: two chat turns and a bare continuation
+    encoded = [r.prompt_token_ids for r in generate(model, tokenizer, prompts, tau=1.0, max_new_tokens=1)]
+    eos = model.generation_config.eos_token_id
+    alone = []
+    for ids in encoded:
+        row = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+        alone.append(row[: row.index(eos) + 1] if eos in row else row)
+    for block_size in BLOCKS:
+        reference = generate(model, tokenizer, prompts, mode="lossless", block_size=block_size, max_new_tokens=8,
+                             batch_size=3, use_cache=False)
+        assert tokens(reference) == alone, block_size
+        for kwargs in (dict(batch_size=1), dict(batch_size=3), dict(batch_size=3, b_cache=block_size)):
+            results = generate(model, tokenizer, prompts, mode="lossless", block_size=block_size,
+                               max_new_tokens=8, **kwargs)
+            assert tokens(results) == alone, (block_size, kwargs)
+            assert [r.forwards for r in results] == [r.forwards for r in reference], (block_size, kwargs)
 
 
 def test_cli_generate_json(smollm2_dir, tmp_path, capsys):
@@ -516,7 +529,7 @@ def test_bench_reports_medians_speedups_and_ceiling_against_hf():
                  max_new_tokens=6, b_cache=None, repeats=1)
     rows = {(r["batch_size"], r["method"], r["tau"]): r for r in report["rows"]}
     assert set(rows) == {(bs, m, t) for bs in (1, 2) for m, t in (("hf_generate", None), ("mars", 1.0),
-                                                                   ("mars", 0.5))}
+                                                                   ("mars", 0.5), ("mars_lossless", None))}
     for bs in (1, 2):
         assert rows[bs, "hf_generate", None]["speedup_vs_hf"] == 1.0
         assert rows[bs, "hf_generate", None]["speedup_vs_ar"] is None and rows[bs, "mars", 1.0]["speedup_vs_ar"] == 1.0
@@ -525,7 +538,12 @@ def test_bench_reports_medians_speedups_and_ceiling_against_hf():
         assert rows[bs, "mars", 1.0]["tokens"] == rows[bs, "hf_generate", None]["tokens"]  # same greedy output
         assert rows[bs, "mars", 1.0]["ceiling_speedup"] == 1.0
         assert rows[bs, "mars", 0.5]["tokens_per_forward"] > 1.0 and rows[bs, "mars", 0.5]["ceiling_speedup"] > 0
-    assert "mars tau=0.5" in format_table(report)
+        lossless = rows[bs, "mars_lossless", None]
+        assert lossless["tokens"] == rows[bs, "hf_generate", None]["tokens"]  # greedy output too
+        assert lossless["tokens_per_forward"] >= 1.0 and lossless["ceiling_speedup"] > 0
+        assert lossless["speedup_vs_ar"] == pytest.approx(lossless["speedup_vs_hf"] / rows[bs, "mars", 1.0]["speedup_vs_hf"])
+    table = format_table(report)
+    assert "mars tau=0.5" in table and "mars lossless" in table
 
 
 def test_a_model_never_trained_with_masks_is_refused_below_tau_1():

@@ -103,7 +103,7 @@ def test_metrics_trace_back_to_the_saved_generations(ar_checkpoint, tmp_path):
                            log=lambda *_: None)
     on_disk = json.loads((tmp_path / "metrics" / "eval.json").read_text())
     assert on_disk == metrics
-    assert sorted(on_disk) == ["ar_control/toy/tau=0.8", "ar_control/toy/tau=1.0"]
+    assert sorted(on_disk) == ["ar_control/toy/lossless", "ar_control/toy/tau=0.8", "ar_control/toy/tau=1.0"]
     for key, entry in on_disk.items():
         ckpt, bench, tau = key.split("/")
         rows = read_jsonl(tmp_path / "eval" / ckpt / bench / f"{tau}.jsonl")
@@ -113,22 +113,28 @@ def test_metrics_trace_back_to_the_saved_generations(ar_checkpoint, tmp_path):
         assert entry["tokens"] == tokens and entry["forwards"] == forwards
         assert entry["tokens_per_forward"] == pytest.approx(tokens / forwards)
         assert entry["score"] == pytest.approx(sum(r["score"] for r in rows) / len(rows))
-        assert {"seconds", "tokens_per_s", "block_size", "tau"} <= set(entry)
+        assert {"seconds", "tokens_per_s", "block_size", "tau", "mode"} <= set(entry)
     # tau = 1.0 is plain greedy AR: one token per forward, and the trained model solves the task.
     assert on_disk["ar_control/toy/tau=1.0"]["tokens_per_forward"] == 1.0
     assert on_disk["ar_control/toy/tau=1.0"]["score"] == 1.0
+    # lossless: the tau = 1.0 generations exactly, one more point (tau null) after the sweep
+    lossless = on_disk["ar_control/toy/lossless"]
+    assert lossless["mode"] == "lossless" and lossless["tau"] is None and lossless["score"] == 1.0
+    assert [r["token_ids"] for r in read_jsonl(tmp_path / "eval" / "ar_control" / "toy" / "lossless.jsonl")] == \
+        [r["token_ids"] for r in read_jsonl(tmp_path / "eval" / "ar_control" / "toy" / "tau=1.0.jsonl")]
     plot_rows = json.loads((tmp_path / "eval" / "plots" / "toy" / "ar_control.json").read_text())
-    assert [r["tau"] for r in plot_rows] == [1.0, 0.8]
+    assert [(r["tau"], r["mode"]) for r in plot_rows] == [(1.0, "tau"), (0.8, "tau"), (None, "lossless")]
     assert (tmp_path / "eval" / "figures" / "toy.png").stat().st_size > 1000
     assert (tmp_path / "eval" / "figures" / "training.png").stat().st_size > 1000
     report = (tmp_path / "eval" / "report.md").read_text()
     assert "## toy" in report and "figures/toy.png" in report and "figures/training.png" in report
+    assert "| ar_control | lossless | 100.0 |" in report
 
 
 def test_the_cli_reads_params_and_checkpoints(ar_checkpoint, tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(
-        "evaluate:\n  taus: [1.0]\n  benchmarks:\n    toy: {n: 3, max_new_tokens: 4}\n"
+        "evaluate:\n  taus: [1.0]\n  lossless: false\n  benchmarks:\n    toy: {n: 3, max_new_tokens: 4}\n"
     )
     rc = evaluate_cli.main(["--params", str(params), "--checkpoint", f"sft={ar_checkpoint}", "--out", str(tmp_path / "e"),
                        "--metrics", str(tmp_path / "m.json"), "--train-metrics", str(tmp_path / "none")])

@@ -34,3 +34,13 @@ def test_malformed_keys_are_refused_with_the_expected_form(key):
 def test_names_with_a_slash_cannot_make_a_key():
     with pytest.raises(MarsError, match="checkpoint name 'a/b'"):
         metric_key("a/b", "heldout", 1.0)
+
+
+def test_the_lossless_mode_has_its_own_key_with_no_tau():
+    key = MetricKey("mars", "heldout", None)
+    assert key.format() == metric_key("mars", "heldout", None) == "mars/heldout/lossless"
+    assert MetricKey.parse("mars/heldout/lossless") == key and key.mode == "lossless"
+    assert MetricKey.parse("mars/heldout/tau=1.0").mode == "tau"
+    assert key.outputs_path("eval") == Path("eval/mars/heldout/lossless.jsonl")
+    with pytest.raises(MarsError, match="or '<checkpoint>/<benchmark>/lossless'"):
+        MetricKey.parse("mars/heldout/lossy")

@@ -24,6 +24,8 @@ def main(argv: list[str], verb: str = "bench-decode") -> int:
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--taus", default="1.0,0.95,0.9,0.8")
+    parser.add_argument("--lossless", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the lossless mode: greedy output, mask slots as verified drafts (default: on)")
     parser.add_argument("--block-size", type=int, help="default: decode.block_size, else config.mars.block_size")
     parser.add_argument("--max-new-tokens", type=int, help="default: decode.max_new_tokens")
     parser.add_argument("--b-cache", type=int, help="default: decode.b_cache")
@@ -41,7 +43,8 @@ def main(argv: list[str], verb: str = "bench-decode") -> int:
     report = speed.run(model, tokenizer, prompts, batch_sizes=[int(x) for x in _numbers(args.batch_sizes)],
                        taus=_numbers(args.taus), block_size=args.block_size or cfg.block_size,
                        max_new_tokens=args.max_new_tokens or cfg.max_new_tokens,
-                       b_cache=cfg.b_cache if args.b_cache is None else args.b_cache, repeats=args.repeats)
+                       b_cache=cfg.b_cache if args.b_cache is None else args.b_cache, repeats=args.repeats,
+                       lossless=args.lossless)
     report.update(model=str(args.model), device=str(model.device), threads=torch.get_num_threads())
     print(speed.format_table(report))
     if args.json:

@@ -10,7 +10,10 @@ ratios at the same batch size (> 1: MARS is faster):
   that multi-token decoding alone buys on this hardware (only when 1.0 is among the taus).
 
 Per batch size and tau it also prints tokens/forward and the ceiling of ``vs_ar``: tokens/forward x
-t(1-token step) / t(B-token step), both steps timed alternately on the same prefilled cache.
+t(1-token step) / t(B-token step), the steps timed alternately on the same prefilled cache. The
+lossless mode (``lossless=True``, a row ``mars lossless``: greedy output, mask slots as verified drafts)
+forwards the last token + B-1 drafts + B-1 masks once drafts are pending: its ceiling is taken with the
+(2B-1)-token step, a slight underestimate (a step after a wrong draft forwards only B).
 """
 
 from __future__ import annotations
@@ -112,7 +115,8 @@ def step_times(model, prompts: list[list[int]], batch_size: int, widths: list[in
     return [statistics.median(ts[2:]) for ts in times]
 
 
-def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tokens, b_cache, repeats):
+def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tokens, b_cache, repeats,
+        lossless: bool = True):
     eos = stop_token_ids_of(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     block_size = block_size or CheckpointInfo.block_size_of(model)
@@ -120,7 +124,7 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
         raise MarsError("bench-decode: pass --block-size (the checkpoint has no config.mars.block_size)")
     rows = []
     for bs in batch_sizes:
-        configs = [("hf", None)] + [("mars", tau) for tau in taus]
+        configs = [("hf", None)] + [("mars", tau) for tau in taus] + ([("lossless", None)] if lossless else [])
 
         def once(kind, tau):
             _sync(model.device)
@@ -128,8 +132,9 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
             if kind == "hf":
                 tokens, tpf = hf_generate(model, prompts, bs, max_new_tokens, pad_id, eos), 1.0
             else:
-                res = generate(model, tokenizer, prompts, block_size=block_size, tau=tau,
-                               max_new_tokens=max_new_tokens, batch_size=bs, b_cache=b_cache)
+                res = generate(model, tokenizer, prompts, block_size=block_size, tau=tau or 1.0,
+                               mode="lossless" if kind == "lossless" else "tau", max_new_tokens=max_new_tokens,
+                               batch_size=bs, b_cache=b_cache)
                 tokens, tpf = res.tokens, res.tokens_per_forward
             _sync(model.device)
             return time.perf_counter() - t, tokens, tpf
@@ -143,21 +148,23 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
                 dt, tokens, tpf = once(kind, tau)
                 seconds[(kind, tau)].append(dt)
                 stats[(kind, tau)] = (tokens, tpf)
-        t1, tb = step_times(model, prompts, bs, [1, block_size])
+        t1, tb, tw = step_times(model, prompts, bs, [1, block_size, 2 * block_size - 1])
         hf_s = statistics.median(seconds[("hf", None)])
         ar_s = statistics.median(seconds[("mars", 1.0)]) if ("mars", 1.0) in seconds else None
         for kind, tau in configs:
             med = statistics.median(seconds[(kind, tau)])
             tokens, tpf = stats[(kind, tau)]
+            step = tw if kind == "lossless" else t1 if tau is not None and tau >= 1.0 else tb
             rows.append({
-                "batch_size": bs, "method": "hf_generate" if kind == "hf" else "mars", "tau": tau,
+                "batch_size": bs, "method": {"hf": "hf_generate", "mars": "mars", "lossless": "mars_lossless"}[kind],
+                "tau": tau,
                 "median_s": med, "speedup_vs_hf": hf_s / med,
                 "speedup_vs_ar": None if kind == "hf" or ar_s is None else ar_s / med,
                 "tokens": tokens, "tokens_per_s": tokens / med,
                 "tokens_per_forward": tpf,
                 # tau = 1 forwards no mask: its step is the 1-token step
-                "ceiling_speedup": None if kind == "hf" else tpf * t1 / (t1 if tau >= 1.0 else tb),
-                "t_step_1_ms": t1 * 1e3, "t_step_B_ms": tb * 1e3,
+                "ceiling_speedup": None if kind == "hf" else tpf * t1 / step,
+                "t_step_1_ms": t1 * 1e3, "t_step_B_ms": tb * 1e3, "t_step_2B-1_ms": tw * 1e3,
             })
     return {"block_size": block_size, "b_cache": b_cache, "max_new_tokens": max_new_tokens,
             "prompts": len(prompts), "repeats": repeats, "rows": rows}
@@ -167,12 +174,13 @@ def format_table(report: dict) -> str:
     lines = [f"B={report['block_size']} b_cache={report['b_cache']} prompts={report['prompts']} "
              f"max_new_tokens={report['max_new_tokens']} repeats={report['repeats']} (medians; vs_hf = HF s / MARS s, vs_ar = MARS tau=1 s / MARS s)",
              f"{'batch':>5} {'method':<13} {'median_s':>9} {'vs_hf':>7} {'vs_ar':>7} {'tok/fwd':>8} {'ceiling':>8} "
-             f"{'tokens':>7} {'tok/s':>8} {'t1_ms':>7} {'tB_ms':>7}"]
+             f"{'tokens':>7} {'tok/s':>8} {'t1_ms':>7} {'tB_ms':>7} {'t2B-1_ms':>8}"]
     ratio = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
     for row in report["rows"]:
-        name = "hf generate" if row["method"] == "hf_generate" else f"mars tau={row['tau']:g}"
+        name = {"hf_generate": "hf generate", "mars_lossless": "mars lossless"}.get(row["method"]) or \
+            f"mars tau={row['tau']:g}"
         lines.append(f"{row['batch_size']:>5} {name:<13} {row['median_s']:>9.3f} {ratio(row['speedup_vs_hf']):>7} "
                      f"{ratio(row['speedup_vs_ar']):>7} {row['tokens_per_forward']:>8.2f} "
                      f"{ratio(row['ceiling_speedup']):>8} {row['tokens']:>7} {row['tokens_per_s']:>8.1f} "
-                     f"{row['t_step_1_ms']:>7.2f} {row['t_step_B_ms']:>7.2f}")
+                     f"{row['t_step_1_ms']:>7.2f} {row['t_step_B_ms']:>7.2f} {row['t_step_2B-1_ms']:>8.2f}")
     return "\n".join(lines)

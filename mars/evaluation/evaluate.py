@@ -4,11 +4,13 @@ For each checkpoint (``--checkpoint NAME=DIR``, e.g. sft, ar_control, mars), eac
 (:mod:`mars.evaluation.benchmarks`) and each tau of the sweep, the questions are decoded greedily with
 :func:`mars.decoding.loop.generate` at the checkpoint's block size and scored. Written:
 
-- ``<out>/<checkpoint>/<benchmark>/tau=<tau>.jsonl``: one line per item (prompt ids, generated ids and
-  text, forwards, score and the scorer's details), so every number traces back to its generations;
-- ``metrics/eval.json``: one flat entry per ``<checkpoint>/<benchmark>/tau=<tau>`` with ``score``,
-  ``tokens_per_forward`` (generated tokens / decoding forwards, summed over items), ``tokens``,
-  ``forwards``, ``seconds`` (decoding wall clock), ``tokens_per_s``, ``n``, ``tau``, ``block_size``,
+- ``<out>/<checkpoint>/<benchmark>/tau=<tau>.jsonl`` (``lossless.jsonl`` for the lossless mode, with
+  ``evaluate.lossless``): one line per item (prompt ids, generated ids and text, forwards, score and
+  the scorer's details), so every number traces back to its generations;
+- ``metrics/eval.json``: one flat entry per ``<checkpoint>/<benchmark>/tau=<tau>`` (and ``.../lossless``:
+  :mod:`mars.evaluation.metric_key`) with ``score``, ``tokens_per_forward`` (generated tokens / decoding
+  forwards, summed over items), ``tokens``, ``forwards``, ``seconds`` (decoding wall clock),
+  ``tokens_per_s``, ``n``, ``tau`` (null for lossless), ``mode``, ``block_size``,
   ``checkpoint_sha256`` (:func:`mars.core.digest.sha256_tree` of the folder evaluated: the gate binds to it)
   (+ ``agree_exact``, ``agree_prefix``, ``agree_prefix_frac``, ``ref_logprob`` against ``evaluate.reference``:
   :mod:`mars.evaluation.agreement`);
@@ -28,7 +30,7 @@ from mars.core.digest import sha256_tree
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.evaluation.benchmarks import BenchmarkConfig, Context, create
 from mars.errors import ConfigError, MarsError
-from mars.evaluation.metric_key import MetricKey
+from mars.evaluation.metric_key import MetricKey, sweep_order
 from mars.evaluation.sandbox import SandboxLimits
 
 
@@ -67,6 +69,8 @@ class EvalConfig:
                                         # below tau = 1, where a model never trained with masks is known to fail
     reference: str | None = None  # a checkpoint name: every output is compared with its tau = 1.0 output
                                   # (mars.evaluation.agreement); None: no agreement measures
+    lossless: bool = True  # also decode each benchmark in lossless mode (key <checkpoint>/<benchmark>/lossless):
+                           # the tau = 1.0 output by construction, at the tokens/forward its drafts earn
 
     def __post_init__(self):
         if not self.taus:
@@ -98,8 +102,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def summarize(rows: list[dict], seconds: float, tau: float, block_size: int) -> dict:
-    """The metrics entry of one (checkpoint, benchmark, tau) from its per-item rows."""
+def summarize(rows: list[dict], seconds: float, tau: float | None, block_size: int) -> dict:
+    """The metrics entry of one (checkpoint, benchmark, tau) from its per-item rows; ``tau=None``: the
+    lossless mode."""
     tokens = sum(len(r["token_ids"]) for r in rows)
     forwards = sum(r["forwards"] for r in rows)
     return {
@@ -110,14 +115,16 @@ def summarize(rows: list[dict], seconds: float, tau: float, block_size: int) -> 
         "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "n": len(rows),
-        "tau": float(tau),
+        "tau": None if tau is None else float(tau),
+        "mode": "lossless" if tau is None else "tau",
         "block_size": block_size,
     }
 
 
 def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, cfg: EvalConfig, out_dir: Path,
                    log=print) -> dict:
-    """Evaluate one loaded model on every benchmark x tau; writes per-item outputs, returns metrics entries."""
+    """Evaluate one loaded model on every benchmark x tau (+ lossless); writes per-item outputs, returns metrics
+    entries."""
     from mars.decoding.loop import generate
 
     block_size = cfg.block_size or CheckpointInfo.block_size_of(model)
@@ -126,8 +133,9 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
     entries: dict[str, dict] = {}
     for bench_name, bench in benchmarks.items():
         bench_items = items[bench_name]
-        for tau in cfg.taus_for(model):
-            gens = generate(model, tokenizer, [it.prompt for it in bench_items], block_size=block_size, tau=tau,
+        for tau in cfg.taus_for(model) + ([None] if cfg.lossless else []):  # None: the lossless mode
+            gens = generate(model, tokenizer, [it.prompt for it in bench_items], block_size=block_size,
+                            tau=1.0 if tau is None else tau, mode="lossless" if tau is None else "tau",
                             max_new_tokens=bench.config.max_new_tokens, batch_size=cfg.batch_size,
                             use_cache=cfg.use_cache, b_cache=cfg.b_cache,
                             allow_untrained=True)  # the AR baselines below tau = 1: what the gate's speed check needs
@@ -141,7 +149,7 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
                     "forwards": g.forwards, "tokens_per_forward": g.tokens_per_forward,
                     "finish_reason": g.finish_reason, "reference": it.reference, **s,
                 })
-            key = MetricKey(name, bench_name, float(tau))
+            key = MetricKey(name, bench_name, None if tau is None else float(tau))
             write_jsonl(key.outputs_path(out_dir), rows)
             entry = summarize(rows, gens.seconds, tau, block_size)
             entries[key.format()] = entry
@@ -165,17 +173,19 @@ def build_benchmarks(cfg: EvalConfig, data_dir: str | None, tasks=None) -> tuple
 
 
 def write_plot_data(metrics: dict, out_dir: Path) -> list[Path]:
-    """``<out>/plots/<benchmark>/<checkpoint>.json``: rows of (tau, tokens_per_forward, score) for dvc plots."""
+    """``<out>/plots/<benchmark>/<checkpoint>.json``: rows of (tau, mode, tokens_per_forward, score) for dvc
+    plots, the tau sweep from 1.0 down, then the lossless point (tau null)."""
     series: dict[tuple[str, str], list[dict]] = {}
     for key, entry in metrics.items():
-        ckpt, bench, _ = MetricKey.parse(key)
-        series.setdefault((bench, ckpt), []).append(
-            {"checkpoint": ckpt, "tau": entry["tau"], "tokens_per_forward": entry["tokens_per_forward"],
-             "score": entry["score"], "tokens_per_s": entry["tokens_per_s"]})
+        parsed = MetricKey.parse(key)
+        series.setdefault((parsed.benchmark, parsed.checkpoint), []).append(
+            {"checkpoint": parsed.checkpoint, "tau": parsed.tau, "mode": parsed.mode,
+             "tokens_per_forward": entry["tokens_per_forward"], "score": entry["score"],
+             "tokens_per_s": entry["tokens_per_s"]})
     written = []
     for (bench, ckpt), rows in series.items():
         path = out_dir / "plots" / bench / f"{ckpt}.json"
-        write_json(path, sorted(rows, key=lambda r: -r["tau"]))  # type: ignore[arg-type]
+        write_json(path, sorted(rows, key=lambda r: sweep_order(r["tau"])))  # type: ignore[arg-type]
         written.append(path)
     return written
 

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from mars.core.atomic import atomic_path, write_text
-from mars.evaluation.metric_key import MetricKey
+from mars.evaluation.metric_key import MetricKey, sweep_order
 
 FIGURES = "figures"  # PNGs; eval/plots/ holds only the dvc plots data series
 
@@ -35,14 +35,14 @@ def _pyplot():
 
 
 def by_benchmark(metrics: dict) -> dict[str, dict[str, list[dict]]]:
-    """benchmark -> checkpoint -> entries sorted by tau, descending."""
+    """benchmark -> checkpoint -> entries: the tau sweep from 1.0 down, then the lossless point."""
     out: dict[str, dict[str, list[dict]]] = {}
     for key, entry in metrics.items():
         ckpt, bench, _ = MetricKey.parse(key)
         out.setdefault(bench, {}).setdefault(ckpt, []).append(entry)
     for per_ckpt in out.values():
         for rows in per_ckpt.values():
-            rows.sort(key=lambda e: -e["tau"])
+            rows.sort(key=lambda e: sweep_order(e["tau"]))
     return out
 
 
@@ -50,13 +50,19 @@ def plot_accuracy_vs_speed(bench: str, per_ckpt: dict[str, list[dict]], path: Pa
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for ckpt, rows in per_ckpt.items():
-        xs, ys = [r["tokens_per_forward"] for r in rows], [100 * r["score"] for r in rows]
-        ax.plot(xs, ys, marker="o", label=ckpt)
-        for r, x, y in zip(rows, xs, ys):
+        sweep = [r for r in rows if r["tau"] is not None]
+        xs, ys = [r["tokens_per_forward"] for r in sweep], [100 * r["score"] for r in sweep]
+        color = ax.plot(xs, ys, marker="o", label=ckpt)[0].get_color()
+        for r, x, y in zip(sweep, xs, ys):
             ax.annotate(f"{r['tau']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        for r in rows:  # the lossless mode: the tau = 1.0 output, off the curve in tokens/forward
+            if r["tau"] is None:
+                x, y = r["tokens_per_forward"], 100 * r["score"]
+                ax.plot([x], [y], marker="*", markersize=12, linestyle="none", color=color)
+                ax.annotate("lossless", (x, y), textcoords="offset points", xytext=(6, -10), fontsize=8)
     ax.set_xlabel("tokens / forward")
     ax.set_ylabel("score (%)")
-    ax.set_title(f"{bench}: accuracy vs decoding speed (labels: tau)")
+    ax.set_title(f"{bench}: accuracy vs decoding speed (labels: tau; star: lossless)")
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, path)
@@ -120,7 +126,8 @@ def _table(per_ckpt: dict[str, list[dict]]) -> list[str]:
              "|---|---|---|---|---|---|---|---|"]
     for ckpt, rows in per_ckpt.items():
         for r in rows:
-            lines.append(f"| {ckpt} | {r['tau']:g} | {100 * r['score']:.1f} | {r['tokens_per_forward']:.2f} | "
+            tau = "lossless" if r["tau"] is None else f"{r['tau']:g}"
+            lines.append(f"| {ckpt} | {tau} | {100 * r['score']:.1f} | {r['tokens_per_forward']:.2f} | "
                          f"{r['forwards']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['n']} |")
     return lines
 
@@ -131,7 +138,8 @@ def write_report(metrics: dict, out_dir: Path, images: dict[str, Path], training
     if checkpoints:
         lines += ["Checkpoints: " + ", ".join(f"`{n}` ({p})" for n, p in checkpoints.items()), ""]
     lines += ["Scores in %, greedy decoding; tokens/forward = generated tokens / decoding forward passes "
-              "(tau = 1.0 is plain AR: 1.00). Per-item outputs: `<checkpoint>/<benchmark>/tau=<tau>.jsonl`.", ""]
+              "(tau = 1.0 is plain AR: 1.00; lossless gives the tau = 1.0 output with the mask slots as verified "
+              "drafts). Per-item outputs: `<checkpoint>/<benchmark>/tau=<tau>.jsonl` and `lossless.jsonl`.", ""]
     for bench, per_ckpt in by_benchmark(metrics).items():
         lines += [f"## {bench}", ""] + _table(per_ckpt) + [""]
         if bench in images:
