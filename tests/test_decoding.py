@@ -516,8 +516,18 @@ def test_cli_generate_json(smollm2_dir, tmp_path, capsys):
         assert {"prompt_token_ids", "token_ids", "text", "forwards", "tokens_per_forward"} <= set(line)
         assert line["block_size"] == 4 and line["tau"] == 0.8 and len(line["token_ids"]) == 6
         assert line["text"] == tokenizer.decode(line["token_ids"], skip_special_tokens=True)
+    # --mode lossless (or decode.mode): the greedy tokens, as tau = 1.0 gives them
+    for args in (["--mode", "lossless"], ["--tau", "1.0"]):
+        assert generate_cli(argv[:2] + args + argv[4:]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    lossless, greedy = lines[:2], lines[2:]
+    assert [line["mode"] for line in lossless] == ["lossless"] * 2 and [line["mode"] for line in greedy] == ["tau"] * 2
+    assert [line["token_ids"] for line in lossless] == [line["token_ids"] for line in greedy]
     (tmp_path / "none.yaml").write_text("decode: {tau: 2.0}\n")
     with pytest.raises(MarsError, match="decode.tau"):
+        generate_cli(argv)
+    (tmp_path / "none.yaml").write_text("decode: {mode: fast}\n")
+    with pytest.raises(MarsError, match="decode.mode"):
         generate_cli(argv)
 
 
