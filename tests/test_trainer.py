@@ -354,6 +354,46 @@ def test_two_gloo_processes_follow_the_single_process_loss_curve(init_dir, prepa
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
 
 
+@pytest.mark.slow
+def test_train_launch_num_processes_runs_the_same_command_in_two_gloo_processes(init_dir, prepared, tmp_path):
+    """`train.launch.num_processes: 2` in params: the stage's own `mars train` command re-runs itself under
+    accelerate launch, and gets the one-process run's losses and weights."""
+    steps = ["-S", "train.mars.max_steps=4", "-S", "train.mars.block_size=4"]
+    mars_cli = [sys.executable, "-m", "mars.cli"]
+    one = subprocess.run(mars_cli + cli_args(init_dir, prepared, tmp_path / "one", "mars", *steps), env=run_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run(mars_cli + cli_args(init_dir, prepared, tmp_path / "two", "mars", *steps,
+                                             "-S", "train.launch.num_processes=2",
+                                             "-S", f"train.launch.main_process_port={free_port()}"),
+                         env=run_env(), capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "final" / "mars_run.json").read_text())["processes"] == 2
+    log1, log2 = rows(tmp_path / "one.tsv"), rows(tmp_path / "two.tsv")
+    assert len(log1) == len(log2) == 4
+    for a, b in zip(log1, log2):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
+    w1 = load_file(tmp_path / "one" / "final" / "model.safetensors")
+    w2 = load_file(tmp_path / "two" / "final" / "model.safetensors")
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
+
+
+def test_launch_command_for_n_processes_and_none_inside_a_launched_process():
+    from mars.training.launch import LaunchConfig, command
+
+    argv = ["mars.cli", "train", "--stage", "mars"]
+    assert command(LaunchConfig(), argv, environ={}) is None
+    cmd = command(LaunchConfig(num_processes=2, main_process_port=29511), argv, environ={})
+    assert cmd[1:] == ["-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu", "--num_machines",
+                       "1", "--dynamo_backend", "no", "--main_process_port", "29511", "-m", *argv]
+    ddp = str(ROOT / "infra" / "accelerate" / "ddp.yaml")
+    assert command(LaunchConfig(num_processes=8, config_file=ddp), argv, environ={})[3:7] == [
+        "--num_processes", "8", "--config_file", ddp]
+    assert command(LaunchConfig(num_processes=2), argv, environ={"WORLD_SIZE": "2"}) is None  # no recursion
+    with pytest.raises(ConfigError, match="config_file: nope.yaml: no such file"):
+        LaunchConfig(num_processes=2, config_file="nope.yaml")
+
+
 def test_resume_refuses_a_checkpoint_holding_a_crafted_pickle(init_dir, tmp_path):
     """A pickle that runs code when loaded, planted in a step checkpoint: refused, and it never runs."""
     data = copy_examples(32)

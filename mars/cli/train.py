@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 
 from mars.cli.options import add_params_arguments, params_from_args, seed_of
 from mars.config import section
 
 
 def main(argv: list[str], verb: str = "train") -> int:
-    from mars.training import trainer
+    from mars.training import launch, trainer
 
     parser = argparse.ArgumentParser(prog=f"mars {verb}", description=trainer.__doc__.split("\n\n")[0])
     parser.add_argument("--stage", required=True, choices=trainer.STAGES)
@@ -24,6 +25,9 @@ def main(argv: list[str], verb: str = "train") -> int:
     args = parser.parse_args(argv)
     params = params_from_args(args)
     cfg = section(params, "train", trainer.TrainConfig)
+    relaunch = launch.command(cfg.launch, ["mars.cli", verb, *argv])
+    if relaunch is not None:  # train.launch.num_processes > 1: this same command, once per process
+        return subprocess.call(relaunch)
     examples, meta = trainer.load_examples(args.data, cfg.max_length)
     result = trainer.train(cfg, stage=args.stage, init=args.init, examples=examples, out=args.out,
                            resume=args.resume, metrics_path=args.metrics, seed=seed_of(params),

@@ -49,6 +49,7 @@ from mars.core.checkpoint_info import CheckpointInfo
 from mars.core.digest import sha256_chunks
 from mars.errors import ConfigError, DataError, MarsError
 from mars.core.loss import compute_loss
+from mars.training.launch import LaunchConfig
 
 Stage = Literal["sft", "mars", "ar_control"]
 STAGES: tuple[str, ...] = ("sft", "mars", "ar_control")
@@ -121,6 +122,7 @@ class TrainConfig:
     sft: StageConfig = field(default_factory=lambda: StageConfig(epochs=8))
     mars: MarsStageConfig = field(default_factory=lambda: MarsStageConfig(epochs=5, lr=2e-3))
     ar_control: StageConfig = field(default_factory=lambda: StageConfig(same_steps_as="mars", lr=2e-3))
+    launch: LaunchConfig = field(default_factory=LaunchConfig)  # processes per stage (mars.training.launch)
 
     def __post_init__(self):
         checks = {
@@ -434,7 +436,7 @@ def _scheduler(cfg: TrainConfig, optimizer, total: int):
 
 
 # Knobs that may change between a run and its resumption: they do not change what is trained.
-OPERATIONAL = ("save_every", "keep_checkpoints", "threads", "grad_accum")
+OPERATIONAL = ("save_every", "keep_checkpoints", "threads", "grad_accum", "launch")
 
 
 def _fingerprint(cfg: TrainConfig, stage: str, seed: int, init, examples: Sequence[dict], total: int) -> dict:
