@@ -24,6 +24,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "export": ("mars.cli.export", "export the fixed-B block forward to ONNX (and TensorRT where CUDA is present)"),
     "promote": ("mars.cli.promote", "publish a gated release to the artifact store and move the stage pointer"),
     "pull": ("mars.cli.promote", "fetch and verify a promoted release into a directory"),
+    "serve": ("mars.cli.serve", "OpenAI-compatible service of a release: continuous batching, tau per request and "
+                                "under load"),
     "store": ("mars.cli.store", "list releases in the artifact store; point the DVC remote at it (configure-dvc)"),
     "params": ("mars.cli.params", "show and validate params.yaml as the stages see it"),
 }

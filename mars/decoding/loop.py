@@ -69,6 +69,9 @@ mars.release.export) can serve it. All arguments are torch tensors; ids/position
     Empty these rows' caches: a new sequence takes each of them, and its first window is its whole
     prompt (next to the other rows' short windows). A backend that has it lets the token-level cache
     refill finished rows (continuous batching); without it the prompts go in consecutive batches.
+``extend(count: int) -> None`` (optional)
+    Add ``count`` empty rows after the current ones: sequences that join a running batch beyond the
+    rows that finished (the server's continuous batching; :class:`CachedBatch`).
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ import torch
 
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.errors import ConfigError, MarsError
+from mars.decoding.stop_strings import StopStrings
 from mars.decoding.torch_backend import TorchBackend
 
 MODES = ("tau", "lossless")
@@ -168,7 +172,8 @@ class Generations(list):
 
 
 def accept(logits: torch.Tensor, tau: torch.Tensor, greedy: torch.Tensor, stop_ids: torch.Tensor,
-           room: torch.Tensor, lossless: torch.Tensor | None = None, drafts: torch.Tensor | None = None):
+           room: torch.Tensor, lossless: torch.Tensor | None = None, drafts: torch.Tensor | None = None,
+           tokens: torch.Tensor | None = None):
     """The accept rule on the slot logits of one step.
 
     logits ``[b, S, V]`` (slot order), tau ``[b]``, greedy ``[b]`` (tau == 1: slot 0 only), stop_ids
@@ -176,10 +181,13 @@ def accept(logits: torch.Tensor, tau: torch.Tensor, greedy: torch.Tensor, stop_i
     instead: their reads 0..m sit at the last accepted token and at their m pending ``drafts``
     (``[b, S-1]``, -1 past them), so slot j's greedy token is exact while drafts 0..j-1 equal the greedy
     tokens read before them. Returns ``(tokens [b, S], n [b], stopped [b])``: the greedy token per slot,
-    how many leading slots are accepted, and whether the accepted ones end in a stop token.
+    how many leading slots are accepted, and whether the accepted ones end in a stop token. ``tokens``
+    ``[b, S]`` replaces the greedy pick where rows sample (:mod:`mars.decoding.sampling`); tau is still
+    compared with each slot's top probability.
     """
     logits = logits.float()
-    tokens = logits.argmax(-1)  # the same pick as HF greedy (first index on ties)
+    if tokens is None:
+        tokens = logits.argmax(-1)  # the same pick as HF greedy (first index on ties)
     is_stop = torch.isin(tokens, stop_ids)
     if tokens.shape[1] == 1:  # one slot (tau = 1 everywhere): always accepted, no probability needed
         n = (room > 0).long()
@@ -220,6 +228,8 @@ class DecodeBackend(Protocol):
 
     def reset(self, rows: torch.Tensor) -> None: ...  # optional, see above
 
+    def extend(self, count: int) -> None: ...  # optional, see above
+
 
 # --------------------------------------------------------------------------------------------- the loops
 
@@ -234,142 +244,324 @@ class _Rows:
     model_calls: int
 
 
-@torch.inference_mode()  # no autograd bookkeeping on the per-step bookkeeping ops either
-def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, slots: int, tau: torch.Tensor,
-                  room: Sequence[int], stop_ids: torch.Tensor, mask_id: int, lossless: torch.Tensor | None = None,
-                  b_cache: int | None = None, max_rows: int | None = None,
-                  on_finish: Callable[[int], None] | None = None) -> _Rows:
-    """The cached decoding loop (token level, or block level with ``b_cache``).
+@dataclass(eq=False)
+class DecodeRow:
+    """One sequence for :class:`CachedBatch`: its prompt ids, token budget and per-sequence settings.
 
-    ``slots`` is the number of slots read per step (B, or 1 when every row has tau = 1: no masks at all),
-    ``tau`` ``[n]``, ``lossless`` ``[n]`` (rows decoded in lossless mode; default none), ``room`` the token
-    budget per prompt. At most ``max_rows`` rows decode at once (default: all). With the token-level
-    cache a row that finishes takes the next waiting prompt in the same step (continuous batching), so
-    the batch stays full while prompts wait; the block-level cache steps its rows in lockstep and takes
-    one batch (``max_rows`` >= the prompts). ``on_finish(k)`` is called as k sequences finish.
+    ``tau`` may be changed between steps (the serving policy does); ``sampler`` (None: greedy) draws a
+    token per slot from the slot logits ``[S, V]`` (:class:`mars.decoding.sampling.Sampler`);
+    ``block_size`` (<= the batch's B; None: B) caps the tokens a step may accept (a lossless row's
+    drafts + 1); ``stream`` rows report their accepted tokens after every step, the others only when
+    they finish. ``key`` is the caller's.
+    """
+
+    prompt: Sequence[int]
+    room: int
+    tau: float = 1.0
+    lossless: bool = False
+    sampler: Callable[[torch.Tensor], torch.Tensor] | None = None
+    stop_strings: StopStrings | None = None
+    stream: bool = False
+    key: object = None
+    block_size: int | None = None
+
+    @property
+    def needs_masks(self) -> bool:
+        return (self.tau < 1.0 or self.lossless) and (self.block_size is None or self.block_size > 1)
+
+
+@dataclass
+class RowUpdate:
+    """What one step did for one row: the tokens it accepted (``new_tokens``, streamed rows) and, once it
+    is ``done``, all its generated ``token_ids``, its forwards and whether it ended at a stop."""
+
+    row: DecodeRow
+    new_tokens: list[int]
+    done: bool = False
+    token_ids: list[int] | None = None
+    forwards: int = 0
+    stopped: bool = False
+
+
+class CachedBatch:
+    """The step-level core of the cached decoding loop: rows in (:meth:`add`), one decoding step
+    (:meth:`step`), accepted tokens and finished rows out. :func:`generate` and the server both drive it.
+
+    Token-level cache (``b_cache=None``): rows may join at any step. A finished row's place goes to the
+    next row added before the next step (its cache row is reset: continuous batching); finished rows
+    not refilled by then leave the batch (``retain``), and rows beyond the finished ones join at the end
+    (``extend``) or, into an empty batch, through ``start``. Each step reads B slots when some live row
+    needs masks (tau < 1 or lossless), else 1. The block-level cache (``b_cache=C``) takes its rows in
+    one :meth:`add` before the first step and steps them in lockstep.
+
     Bookkeeping lives in small CPU tensors; the backend sees one window per step and syncs once per step
     (the accepted counts decide the next window).
     """
-    count = len(prompts)
-    b = count if max_rows is None else min(count, max_rows)
-    if b < count and (b_cache is not None or not callable(getattr(backend, "reset", None))):
-        raise ValueError("max_rows below the prompt count needs the token-level cache and a backend with reset")
-    dev = torch.device(backend.device)
-    put = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev, non_blocking=True))  # noqa: E731
-    room_all = torch.tensor(list(room))
-    lossless = torch.zeros(count, dtype=torch.bool) if lossless is None else lossless
-    total = max(len(p) + r for p, r in zip(prompts, room_all.tolist()))
-    # Every step's window is a plain gather from `seq`: beyond each row's length it holds a lossless
-    # row's pending drafts, then mask tokens, far enough for any window (the widest reaches a cache
-    # block + 2B past the cached prefix); the last column takes the rejected slots.
-    trash = total + (b_cache or 0) + 2 * slots
-    # At tau = 1 every row takes one token per step, so one-position blocks are exact and cheapest.
-    block = None if b_cache is None else (b_cache if slots > 1 else 1)
-    seq = torch.full((b, trash + 1), mask_id, dtype=torch.long)
-    rows = torch.arange(b)  # prompt index of each live row
-    prompt_len, length, cached, room_left, forwards, drafts = (torch.zeros(b, dtype=torch.long) for _ in range(6))
 
-    def load(k: int, i: int, prefilled: bool) -> None:
-        """Row k takes prompt i, whose cache holds all but its last token (``prefilled``) or nothing."""
-        p = prompts[i]
-        seq[k].fill_(mask_id)
-        seq[k, : len(p)] = torch.tensor(list(p))
-        rows[k], prompt_len[k], length[k], room_left[k], forwards[k], drafts[k] = i, len(p), len(p), room_all[i], 0, 0
-        cached[k] = len(p) - 1 if prefilled else 0
+    def __init__(self, backend: DecodeBackend, *, block_size: int, stop_ids: torch.Tensor, mask_id: int,
+                 b_cache: int | None = None):
+        self.backend, self.block_size, self.mask_id, self.b_cache = backend, block_size, mask_id, b_cache
+        self.dev = torch.device(backend.device)
+        self.stop_d = self._put(stop_ids)
+        self.rows: list[DecodeRow] = []
+        self.free: list[int] = []  # finished rows, refilled by the next add or dropped before the next step
+        self.block: int | None = None  # the cache block (block level), fixed with the rows
+        self.slots = block_size  # slots read per step (block level: fixed with the rows)
+        self.started = False
+        self.model_calls = 0
+        self.last_width = 0  # the last step's window width and slots (the serving policy times them)
+        self.last_slots = 0
+        self.trash = 0  # the last column of `seq` takes the rejected slots
+        self._alloc(0)
 
-    # Token level: the first window is the whole prompt (+ masks), so the prefill is also the first
-    # decoding step (one forward fewer, as in HF generate), for a refilled row too. Block level keeps
-    # all but the last prompt token in the cache (``start``): it commits one block per step.
-    for k in range(b):
-        load(k, k, prefilled=block is not None)
-    waiting = deque(range(b, count))
-    stop_d = put(stop_ids)
-    tau_d, greedy_d, lossless_d = put(tau[rows]), put(tau[rows] >= 1.0), put(lossless[rows])
-    offsets = torch.arange(trash)
-    fresh_slot = torch.arange(slots - 1)
-    out = _Rows([[] for _ in range(count)], [0] * count, [False] * count, 0)
-    backend.start([list(prompts[i][:-1]) if block is not None else [] for i in range(b)])
-    while rows.numel():
+    def __len__(self) -> int:
+        """Rows still decoding."""
+        return len(self.rows) - len(self.free)
+
+    @property
+    def grows(self) -> bool:
+        """Whether rows can join a running batch (token-level cache and a backend with reset/extend)."""
+        return self.b_cache is None and callable(getattr(self.backend, "reset", None))
+
+    def _put(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.dev.type == "cpu" else t.to(self.dev, non_blocking=True)
+
+    def _alloc(self, b: int) -> None:
+        self.seq = torch.full((b, self.trash + 1), self.mask_id, dtype=torch.long)
+        (self.prompt_len, self.length, self.cached, self.room_left, self.forwards,
+         self.drafts) = (torch.zeros(b, dtype=torch.long) for _ in range(6))
+
+    def _fit(self, total: int) -> None:
+        # Every step's window is a plain gather from `seq`: beyond each row's length it holds a lossless
+        # row's pending drafts, then mask tokens, far enough for any window (the widest reaches a cache
+        # block + 2B past the cached prefix).
+        trash = total + (self.b_cache or 0) + 2 * self.block_size
+        if trash > self.trash:
+            seq = torch.full((self.seq.shape[0], trash + 1), self.mask_id, dtype=torch.long)
+            seq[:, : self.trash] = self.seq[:, : self.trash]
+            self.seq, self.trash = seq, trash
+        self.offsets = torch.arange(self.trash)
+
+    def _load(self, k: int, row: DecodeRow, prefilled: bool) -> None:
+        """Row k takes ``row``, whose cache holds all but its last prompt token (``prefilled``) or nothing."""
+        p = list(row.prompt)
+        self.seq[k].fill_(self.mask_id)
+        self.seq[k, : len(p)] = torch.tensor(p)
+        self.prompt_len[k], self.length[k], self.room_left[k], self.forwards[k], self.drafts[k] = \
+            len(p), len(p), row.room, 0, 0
+        self.cached[k] = len(p) - 1 if prefilled else 0
+        self.rows[k] = row
+
+    @torch.inference_mode()  # the bookkeeping tensors are the steps' (inference) tensors
+    def add(self, rows: Sequence[DecodeRow]) -> None:
+        """Rows that join at the next step (see the class docstring for where they go)."""
+        rows = list(rows)
+        if not rows:
+            return
+        for row in rows:
+            if not row.prompt or row.room < 1:
+                raise ValueError("a row needs a non-empty prompt and room >= 1")
+            if row.lossless and row.sampler is not None:
+                raise ValueError("lossless rows are greedy (no sampler)")
+        self._fit(max(len(r.prompt) + r.room for r in rows))
+        if self.b_cache is not None:
+            if self.started:
+                raise ValueError("the block-level cache takes its rows in one batch, before the first step")
+            # At tau = 1 every row takes one token per step, so one-position blocks are exact and cheapest.
+            masks = self.block_size > 1 and any(r.needs_masks for r in rows)
+            self.slots, self.block = (self.block_size, self.b_cache) if masks else (1, 1)
+            self.rows = list(rows)
+            self._alloc(len(rows))
+            for k, row in enumerate(rows):
+                self._load(k, row, prefilled=True)
+            self.backend.start([list(r.prompt[:-1]) for r in rows])
+            self.started = True
+            return
+        # Token level: the first window is the whole prompt (+ masks), so the prefill is also the first
+        # decoding step (one forward fewer, as in HF generate), for a refilled row too.
+        refill = []
+        while rows and self.free:
+            k = self.free.pop(0)
+            self._load(k, rows.pop(0), prefilled=False)
+            refill.append(k)
+        if refill:
+            self.backend.reset(self._put(torch.tensor(refill)))
+        if not rows:
+            return
+        self._compact()
+        old = len(self.rows)
+        if old and not self.grows:
+            raise ValueError("rows join a running batch only with the token-level cache and a backend with reset")
+        if old and not callable(getattr(self.backend, "extend", None)):
+            raise ValueError("rows join a running batch beyond its finished ones only with a backend with extend")
+        grown = CachedBatch.__new__(CachedBatch)  # the new rows' bookkeeping, appended below
+        grown.mask_id, grown.trash, grown.rows = self.mask_id, self.trash, [None] * len(rows)
+        CachedBatch._alloc(grown, len(rows))
+        for k, row in enumerate(rows):
+            CachedBatch._load(grown, k, row, prefilled=False)
+        for name in ("seq", "prompt_len", "length", "cached", "room_left", "forwards", "drafts"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(grown, name)]))
+        self.rows += rows
+        if old:
+            self.backend.extend(len(rows))
+        else:
+            self.backend.start([[] for _ in rows])
+        self.started = True
+
+    def _compact(self) -> None:
+        """Finished rows that were not refilled leave the batch."""
+        if not self.free:
+            return
+        gone = set(self.free)
+        keep = torch.tensor([k for k in range(len(self.rows)) if k not in gone], dtype=torch.long)
+        if keep.numel():
+            self.backend.retain(self._put(keep))
+        self.rows = [self.rows[k] for k in keep.tolist()]
+        for name in ("seq", "prompt_len", "length", "cached", "room_left", "forwards", "drafts"):
+            setattr(self, name, getattr(self, name)[keep])
+        self.free = []
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The sampled rows' tokens per slot (greedy rows: argmax); None when every row is greedy."""
+        if all(r.sampler is None for r in self.rows):
+            return None
+        tokens = logits.argmax(-1)
+        for k, row in enumerate(self.rows):
+            if row.sampler is not None:
+                tokens[k] = row.sampler(logits[k])
+        return tokens
+
+    @torch.inference_mode()  # no autograd bookkeeping on the per-step bookkeeping ops either
+    def step(self) -> list[RowUpdate]:
+        """One decoding step of every live row. Returns an update per row that finished (a stop token,
+        a stop string, its budget) and per streamed row that accepted tokens."""
+        self._compact()
+        if not self.rows:
+            return []
+        rows, put, seq, trash = self.rows, self._put, self.seq, self.trash
+        tau = torch.tensor([r.tau for r in rows], dtype=torch.float32)
+        lossless = torch.tensor([r.lossless for r in rows])
+        block = self.block
+        slots = self.slots if block is not None else (
+            self.block_size if any(r.needs_masks for r in rows) else 1)
+        length, cached, drafts = self.length, self.cached, self.drafts
         u = length - cached  # real tokens not in the cache yet (>= 1)
         need = u + drafts + slots - 1  # window entries a row reads up to: its real tokens, drafts, masks
         if block is None:
             width, stepping = int(need.max()), None
             # Past its need (a refilled row's prompt widens the window) a row repeats its last entry:
             # trailing entries change nothing and stay inside its positions.
-            index = cached[:, None] + torch.minimum(offsets[:width], (need - 1)[:, None])
+            index = cached[:, None] + torch.minimum(self.offsets[:width], (need - 1)[:, None])
         else:
             # The block is committed once every row has it filled with real tokens (u >= C); until
             # then a row past the boundary waits. The window spans the block and every stepping row's slots.
             commit_now = bool((u >= block).all())
             stepping = torch.ones_like(u, dtype=torch.bool) if commit_now else u <= block
             width = max(block, int(need[stepping].max()))
-            index = cached[:, None] + offsets[:width]
+            index = cached[:, None] + self.offsets[:width]
+        self.last_width, self.last_slots = width, slots
         # A row reads its last real token, each draft (lossless) and each mask; past them it re-reads
         # its last entry (unused), and a waiting row's reads stay inside the window.
         read_slot = torch.arange(slots + int(drafts.max()))
         read = torch.minimum((u - 1)[:, None] + read_slot, (need - 1)[:, None]).clamp(max=width - 1)
         draft_ids = torch.where(read_slot[:-1] < drafts[:, None], seq.gather(1, (length[:, None] + read_slot[:-1])), -1)
-        logits = backend.forward(put(seq.gather(1, index)), put(index), put(read))
-        # a tau row takes at most B slots, a lossless row its drafts + 1; a waiting row takes nothing
-        step_room = torch.minimum(room_left, torch.where(lossless[rows], drafts + 1, slots))
+        logits = self.backend.forward(put(seq.gather(1, index)), put(index), put(read))
+        # a tau row takes at most B slots (its own block size), a lossless row its drafts + 1; a waiting
+        # row takes nothing
+        cap = torch.tensor([min(r.block_size or slots, slots) for r in rows]) \
+            if any(r.block_size for r in rows) else torch.tensor(slots)
+        step_room = torch.minimum(self.room_left, torch.where(lossless, drafts + 1, cap))
         if stepping is not None:
             step_room = torch.where(stepping, step_room, 0)
-        tokens, n, stopped = accept(logits, tau_d, greedy_d, stop_d, put(step_room), lossless_d, put(draft_ids))
-        if dev.type != "cpu":
+        tokens, n, stopped = accept(logits, put(tau), put(tau >= 1.0), self.stop_d, put(step_room), put(lossless),
+                                    put(draft_ids), tokens=self._sample(logits))
+        if self.dev.type != "cpu":
             tokens, n, stopped = tokens.cpu(), n.cpu(), stopped.cpu()
-        out.model_calls += 1
+        self.model_calls += 1
         if block is None:
             # the real tokens of the window, and a lossless row's verified drafts (all it accepted but the last)
-            commit = u + torch.where(lossless[rows], (n - 1).clamp(min=0), 0)
+            commit = u + torch.where(lossless, (n - 1).clamp(min=0), 0)
         else:
             commit = torch.full_like(u, block if commit_now else 0)
-        backend.commit(put(commit))
+        self.backend.commit(put(commit))
         cached += commit
+        streamed = [k for k, r in enumerate(rows) if r.stream]
+        before = length.tolist() if streamed else None
         seq.scatter_(1, torch.where(read_slot < n[:, None], length[:, None] + read_slot, trash), tokens)
         # drafts past the accepted ones were wrong: back to masks (a waiting row, n = 0, keeps its own)
         stale = (read_slot[:-1] >= n[:, None]) & (read_slot[:-1] < drafts[:, None]) & (n > 0)[:, None]
-        seq.scatter_(1, torch.where(stale, length[:, None] + read_slot[:-1], trash), mask_id)
+        seq.scatter_(1, torch.where(stale, length[:, None] + read_slot[:-1], trash), self.mask_id)
         length += n
-        room_left -= n
-        forwards += 1 if stepping is None else stepping.long()
+        self.room_left -= n
+        self.forwards += 1 if stepping is None else stepping.long()
         # All drafts verified: the mask slots' tokens are the next drafts (as many as the budget can use).
         # After a wrong draft the next forward starts from the corrected token and fresh masks.
-        fresh = lossless[rows] & (n == drafts + 1) & ~stopped
-        new = torch.where(fresh, torch.minimum(room_left - 1, torch.tensor(slots - 1)), 0).clamp(min=0)
+        fresh = lossless & (n == drafts + 1) & ~stopped
+        new = torch.where(fresh, torch.minimum(self.room_left - 1, cap - 1), 0).clamp(min=0)
         if slots > 1:
+            fresh_slot = torch.arange(slots - 1)
             src = tokens.gather(1, (drafts[:, None] + 1 + fresh_slot).clamp(max=tokens.shape[1] - 1))
             seq.scatter_(1, torch.where(fresh_slot < new[:, None], length[:, None] + fresh_slot, trash), src)
-        drafts = torch.where(n > 0, new, drafts)
-        done = stopped | (room_left == 0)
-        if not bool(done.any()):
-            continue
-        finished = done.nonzero()[:, 0].tolist()
-        for k in finished:
-            i = int(rows[k])
-            out.token_ids[i] = seq[k, prompt_len[k]: length[k]].tolist()
-            out.forwards[i], out.stopped[i] = int(forwards[k]), bool(stopped[k])
-        if on_finish is not None:
+        self.drafts = torch.where(n > 0, new, drafts)
+        cut = [k for k, r in enumerate(rows) if r.stop_strings]
+        for k in cut:  # a stop string ends its row at the token that completes it
+            if n[k] > 0:
+                keep = rows[k].stop_strings.cut(seq[k, self.prompt_len[k]: length[k]].tolist(), int(n[k]))
+                if keep is not None:
+                    length[k], stopped[k] = self.prompt_len[k] + keep, True
+        done = stopped | (self.room_left == 0)
+        updates = {k: RowUpdate(rows[k], seq[k, before[k]: length[k]].tolist()) for k in streamed
+                   if length[k] > before[k] or done[k]}
+        self.free = done.nonzero()[:, 0].tolist()
+        for k in self.free:
+            update = updates.setdefault(k, RowUpdate(rows[k], []))
+            update.done, update.stopped = True, bool(stopped[k])
+            update.token_ids = seq[k, self.prompt_len[k]: length[k]].tolist()
+            update.forwards = int(self.forwards[k])
+        return list(updates.values())
+
+
+def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, slots: int, tau: torch.Tensor,
+                  room: Sequence[int], stop_ids: torch.Tensor, mask_id: int, lossless: torch.Tensor | None = None,
+                  b_cache: int | None = None, max_rows: int | None = None,
+                  on_finish: Callable[[int], None] | None = None, stop_strings: StopStrings | None = None) -> _Rows:
+    """The cached decoding loop (token level, or block level with ``b_cache``) over :class:`CachedBatch`.
+
+    ``slots`` is the number of slots read per step (B, or 1 when every row has tau = 1: no masks at all),
+    ``tau`` ``[n]``, ``lossless`` ``[n]`` (rows decoded in lossless mode; default none), ``room`` the token
+    budget per prompt. At most ``max_rows`` rows decode at once (default: all). With the token-level
+    cache a row that finishes takes the next waiting prompt in the same step (continuous batching), so
+    the batch stays full while prompts wait; the block-level cache steps its rows in lockstep and takes
+    one batch (``max_rows`` >= the prompts). ``on_finish(k)`` is called as k sequences finish. A row also
+    ends at the token that completes one of ``stop_strings``.
+    """
+    count = len(prompts)
+    b = count if max_rows is None else min(count, max_rows)
+    if b < count and (b_cache is not None or not callable(getattr(backend, "reset", None))):
+        raise ValueError("max_rows below the prompt count needs the token-level cache and a backend with reset")
+    lossless = torch.zeros(count, dtype=torch.bool) if lossless is None else lossless
+    taus, room = tau.tolist(), list(room)
+    waiting = deque(DecodeRow(prompts[i], int(room[i]), float(taus[i]), bool(lossless[i]),
+                              stop_strings=stop_strings, key=i) for i in range(count))
+    batch = CachedBatch(backend, block_size=slots, stop_ids=stop_ids, mask_id=mask_id, b_cache=b_cache)
+    batch.add([waiting.popleft() for _ in range(b)])
+    out = _Rows([[] for _ in range(count)], [0] * count, [False] * count, 0)
+    while len(batch):
+        finished = [u for u in batch.step() if u.done]
+        for update in finished:
+            i = update.row.key
+            out.token_ids[i], out.forwards[i], out.stopped[i] = update.token_ids, update.forwards, update.stopped
+        if finished and on_finish is not None:
             on_finish(len(finished))
-        refill = finished[: len(waiting)]
-        for k in refill:  # a finished row's place goes to the next waiting prompt
-            load(k, waiting.popleft(), prefilled=False)
-            done[k] = False
-        if refill:
-            backend.reset(put(torch.tensor(refill)))
-        if bool(done.any()):  # nothing waits any more: finished rows leave the batch
-            keep = (~done).nonzero()[:, 0]
-            if keep.numel():
-                backend.retain(put(keep))
-            rows, seq, length, cached, room_left, forwards, prompt_len, drafts = (
-                t[keep] for t in (rows, seq, length, cached, room_left, forwards, prompt_len, drafts))
-        tau_d, greedy_d, lossless_d = put(tau[rows]), put(tau[rows] >= 1.0), put(lossless[rows])
+        batch.add([waiting.popleft() for _ in range(min(len(finished), len(waiting)))])
+    out.model_calls = batch.model_calls
     return out
 
 
 @torch.inference_mode()
 def decode_no_cache(model, prompts: Sequence[Sequence[int]], *, slots: int, tau: torch.Tensor,
                     room: Sequence[int], stop_ids: torch.Tensor, mask_id: int,
-                    lossless: torch.Tensor | None = None) -> _Rows:
+                    lossless: torch.Tensor | None = None, stop_strings: StopStrings | None = None) -> _Rows:
     """The reference loop: every step re-runs prompt + accepted tokens (+ a lossless row's drafts) + masks
     with a plain causal mask."""
     seqs, room = [list(p) for p in prompts], list(room)
@@ -408,6 +600,9 @@ def decode_no_cache(model, prompts: Sequence[Sequence[int]], *, slots: int, tau:
             out.forwards[i] += 1
             room[i] -= len(new)
             out.stopped[i] = bool(stopped[k])
+            keep = stop_strings.cut(out.token_ids[i], len(new)) if stop_strings and new else None
+            if keep is not None:
+                out.token_ids[i], out.stopped[i] = out.token_ids[i][:keep], True
             verified = bool(lossless[i]) and taken == len(drafts[i]) + 1 and not out.stopped[i]
             m = len(drafts[i])
             drafts[i] = row[m + 1: m + 1 + max(0, min(slots - 1, room[i] - 1))] if verified else []
@@ -509,8 +704,8 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
              tau: float | Sequence[float] = DecodeConfig.tau, mode: str | Sequence[str] = DecodeConfig.mode,
              max_new_tokens: int = DecodeConfig.max_new_tokens, batch_size: int = DecodeConfig.batch_size,
              use_cache: bool = True, b_cache: int | None = None, stop_token_ids: Iterable[int] = (),
-             backend: DecodeBackend | None = None, progress: bool = False,
-             allow_untrained: bool = False) -> Generations:
+             stop_strings: Sequence[str] = (), backend: DecodeBackend | None = None,
+             progress: bool = False, allow_untrained: bool = False) -> Generations:
     """Decode ``prompts`` with MARS: block size B, threshold ``tau`` (one float, or one per prompt).
 
     ``mode`` (one, or one per prompt, mixed freely with per-prompt tau in one batch): ``"tau"`` accepts
@@ -524,7 +719,8 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
     ``batch_size`` rows decode at once; with the token-level cache (``b_cache=None``) a finished row
     takes the next prompt at once, otherwise the prompts go in consecutive batches. ``b_cache``: C >= B
     for the block-level cache; ``use_cache=False`` runs the no-cache reference loop. Decoding stops at a
-    stop token (EOS of the tokenizer and the generation config, plus ``stop_token_ids``), at
+    stop token (EOS of the tokenizer and the generation config, plus ``stop_token_ids``), after the
+    token that completes one of ``stop_strings`` (text; :mod:`mars.decoding.stop_strings`), at
     ``max_new_tokens`` or at the model's context.
 
     tau < 1 in ``"tau"`` mode is refused for a model never trained with masks (:func:`check_mask_trained`)
@@ -566,6 +762,7 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
             raise MarsError(f"prompt {i}: {len(ids)} tokens, the model's context is {context}: no room to generate")
         rooms.append(max_new_tokens if context is None else min(max_new_tokens, context - len(ids)))
     stops = torch.tensor(stop_token_ids_of(model, tokenizer, stop_token_ids), dtype=torch.long)
+    stop_text = StopStrings(tokenizer, stop_strings) or None
     if use_cache and backend is None:
         backend = TorchBackend(model)
 
@@ -588,7 +785,7 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
         lossless_g = torch.tensor([modes[i] == "lossless" for i in group])
         slots = block_size if bool((tau_g < 1.0).any() or lossless_g.any()) else 1
         kwargs = dict(slots=slots, tau=tau_g, lossless=lossless_g, room=[rooms[i] for i in group], stop_ids=stops,
-                      mask_id=mask_id)
+                      mask_id=mask_id, stop_strings=stop_text)
         if use_cache:
             rows = decode_cached(backend, prompts_g, b_cache=b_cache, max_rows=batch_size if continuous else None,
                                  on_finish=bar.update if bar is not None else None, **kwargs)

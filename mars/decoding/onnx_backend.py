@@ -174,8 +174,8 @@ class ExportedBlock:
 
 
 class OnnxBackend:
-    """The decoding backend of :mod:`mars.decoding.loop` (start / forward / commit / retain) on an
-    :class:`ExportedBlock`.
+    """The decoding backend of :mod:`mars.decoding.loop` (start / forward / commit / retain / reset /
+    extend) on an :class:`ExportedBlock`.
 
     Each row's cache lives in a preallocated buffer ``[layers, batch, kv_heads, max_context, head_dim]``;
     row r has ``n_r`` committed entries at ``[0, n_r)``. A forward writes the window's K/V right after
@@ -263,6 +263,17 @@ class OnnxBackend:
     def commit(self, n_accept) -> None:
         n = np.asarray(n_accept.cpu().numpy() if hasattr(n_accept, "cpu") else n_accept, dtype=np.int64)
         self.lens[: self.rows] += n
+
+    def reset(self, rows) -> None:
+        """Empty these rows (a new sequence takes each): their old entries lie past 0, masked, then overwritten."""
+        self.lens[np.asarray(rows.cpu().numpy() if hasattr(rows, "cpu") else rows, dtype=np.int64)] = 0
+
+    def extend(self, count: int) -> None:
+        """``count`` empty rows after the live ones, within the export's fixed batch."""
+        if self.rows + count > self.spec.batch_size:
+            raise EngineError(f"{self.rows + count} rows, the export's batch is {self.spec.batch_size}")
+        self.lens[self.rows: self.rows + count] = 0
+        self.rows += count
 
     def retain(self, rows) -> None:
         keep = np.asarray(rows.cpu().numpy() if hasattr(rows, "cpu") else rows, dtype=np.int64)

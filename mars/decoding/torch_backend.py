@@ -96,6 +96,12 @@ class RowCache:
     def reset(self, rows: torch.Tensor) -> None:
         self.length = self.length.index_fill(0, rows, 0)  # the old entries lie past 0: masked, then overwritten
 
+    def extend(self, count: int) -> None:
+        """``count`` empty rows after the current ones."""
+        self.keys = [torch.cat([k, k.new_zeros(count, *k.shape[1:])]) for k in self.keys]
+        self.values = [torch.cat([v, v.new_zeros(count, *v.shape[1:])]) for v in self.values]
+        self.length = torch.cat([self.length, self.length.new_zeros(count)])
+
     def retain(self, rows: torch.Tensor) -> None:
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
@@ -171,6 +177,9 @@ class TorchBackend:
 
     def reset(self, rows):
         self.cache.reset(rows.to(self.device))
+
+    def extend(self, count: int):
+        self.cache.extend(count)
 
     # ------------------------------------------------------------------------------------------ forwards
 

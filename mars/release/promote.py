@@ -5,7 +5,7 @@ Store layout (see :mod:`mars.release.store` for the URI and the object store):
 - ``objects/sha256/..``                       every file, once, under the hash of its bytes
 - ``releases/<name>/<version>/manifest.json`` one per release, never rewritten: file list with
   sha256 and size, gate decision (with the sha256 of the checkpoint and export it judged), block
-  size B, default tau, source revision, who published it
+  size B, default tau (and the tau floor a server may lower it to), source revision, who published it
 - ``releases/<name>/<version>/seal.json``     the sha256 of that manifest, written once right after it
 - ``stages/<name>/<stage>.json``              the stage pointer: version + sha256 of its manifest, who
   moved it, when, and how (promote | rollback)
@@ -108,6 +108,17 @@ def gate_decision(path: str | Path) -> dict:
                                "(a hand-written or older decision?); run `mars gate --export EXPORT` after "
                                "`mars evaluate` and `mars export`")
     return gate
+
+
+def tau_floor(decision: dict, tau: float) -> float:
+    """The lowest tau the gate measured and accepted, for a server that lowers tau under load: its
+    ``speed_tau`` when the score check there ran and passed (not overridden), else ``tau`` (no lower tau
+    was vouched for); never above ``tau``."""
+    speed = decision.get("speed_tau")
+    checked = [c for c in decision.get("checks", []) if c.get("name") == "score_at_speed_tau"]
+    if speed is not None and decision.get("checks_passed") is True and checked and all(c.get("passed") for c in checked):
+        return min(float(speed), tau)
+    return tau
 
 
 def check_gated(decision: dict, gate: str | Path, checkpoint: Path, export: Path) -> None:
@@ -251,6 +262,7 @@ def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: s
         "created_at": _now(),
         "block_size": block_size,
         "tau": float(tau),
+        "tau_floor": tau_floor(decision, float(tau)),
         "mask_token_id": model.mask_token_id,
         "model": model.to_dict(),
         "engines": engines,

@@ -1,0 +1,209 @@
+"""The serving engine: one model, one thread that steps its batch, requests joining at the next step.
+
+Continuous batching at the level of decoding steps (:class:`mars.decoding.loop.CachedBatch`, the same
+core :func:`mars.decoding.loop.generate` drives): before every step the engine moves waiting requests
+into the batch (up to ``max_batch`` rows), sets the tau of rows that did not name one (the tau policy,
+:mod:`mars.serving.tau_policy`), runs one step and hands each request the tokens it accepted. A request
+leaves the batch when it stops (a stop token or string) or reaches its token budget. Each row keeps its
+own tau, mode and sampler.
+
+At most ``max_queue`` requests wait; :meth:`Engine.submit` refuses more (:class:`QueueFull`, the HTTP
+layer answers 429) instead of letting the queue grow without bound. :meth:`Engine.close` stops taking
+requests and, with ``drain``, finishes what was taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from mars.decoding.loop import CachedBatch, DecodeRow
+from mars.decoding.sampling import Sampler, SamplingParams
+from mars.decoding.stop_strings import StopStrings
+from mars.errors import MarsError
+from mars.serving.served_model import ServedModel
+
+log = logging.getLogger("mars.serve")
+
+
+class QueueFull(MarsError):
+    pass
+
+
+class Closed(MarsError):
+    """The engine takes no new requests (draining, or replaced by a newer release)."""
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int  # already capped by the context
+    tau: float | None = None  # None: the tau policy's
+    mode: str = "tau"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: Sequence[str] = ()
+    block_size: int | None = None  # at most this many tokens per forward (<= the checkpoint's B)
+
+
+@dataclass
+class Finished:
+    token_ids: list[int]
+    forwards: int
+    finish_reason: str  # "stop" | "length"
+    taus: list[float]  # the tau of each step (one value unless the policy moved it)
+
+
+class RequestHandle:
+    """A submitted request: the engine thread pushes token lists, then a :class:`Finished` or an
+    exception, into an asyncio queue of the server's event loop."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.request, self.loop = request, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.taus: list[float] = []
+        self.submitted = time.perf_counter()
+
+    def push(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def events(self):
+        """Token lists as they are accepted, then the :class:`Finished` record (an error is raised)."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, Finished):
+                return
+
+
+class Engine:
+    def __init__(self, model: ServedModel, policy, *, max_batch: int = 16, max_queue: int = 64, metrics=None):
+        self.model, self.policy, self.metrics = model, policy, metrics
+        self.max_batch = min(max_batch, model.max_rows or max_batch)
+        self.max_queue = max_queue
+        self.stop_ids = torch.tensor(model.stop_ids, dtype=torch.long)
+        self.batch = self._new_batch()
+        self.waiting: deque[tuple[DecodeRow, RequestHandle]] = deque()
+        self.handles: dict[int, RequestHandle] = {}  # id(row) -> handle, rows in the batch
+        self.cv = threading.Condition()
+        self.accepting, self.stopping = True, False
+        self.thread = threading.Thread(target=self._run, name=f"mars-engine-{model.name}-{model.version}", daemon=True)
+        self.thread.start()
+
+    def _new_batch(self) -> CachedBatch:
+        return CachedBatch(self.model.new_backend(), block_size=self.model.block_size or 1, stop_ids=self.stop_ids,
+                           mask_id=self.model.mask_id)
+
+    # -- the request side (the server's event loop) --------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.handles)
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> RequestHandle:
+        handle = RequestHandle(request, loop)
+        sampler = None if request.sampling.greedy else Sampler(request.sampling)
+        stops = StopStrings(self.model.tokenizer, list(request.stop)) or None
+        tau = self.policy.tau if request.tau is None else request.tau
+        row = DecodeRow(request.prompt_ids, request.max_tokens, tau, request.mode == "lossless", sampler, stops,
+                        stream=True, key=request.tau is None,  # key: whether the policy sets its tau
+                        block_size=request.block_size)
+        with self.cv:
+            if not self.accepting:
+                raise Closed(f"{self.model.name} {self.model.version or ''}: not taking requests (shutting down)")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests waiting (the queue holds {self.max_queue})")
+            self.waiting.append((row, handle))
+            self.cv.notify()
+        return handle
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> bool:
+        """Take no new requests; with ``drain`` finish the taken ones (else fail them). True when the
+        engine thread ended within ``timeout``."""
+        with self.cv:
+            self.accepting = False
+            if not drain:
+                self._fail_all(Closed("the server is shutting down"))
+            self.stopping = True
+            self.cv.notify()
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def idle(self) -> bool:
+        with self.cv:
+            return not self.waiting and not self.handles
+
+    # -- the stepping thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.waiting and not self.handles and not self.stopping:
+                    self.cv.wait()
+                if self.stopping and not self.waiting and not self.handles:
+                    return
+                joining = [self.waiting.popleft() for _ in range(min(len(self.waiting),
+                                                                      self.max_batch - len(self.handles)))]
+                for row, handle in joining:
+                    self.handles[id(row)] = handle
+            try:
+                self._step([row for row, _ in joining])
+            except Exception as err:  # a failed step fails its requests, not the server
+                log.exception("decoding step failed")
+                with self.cv:
+                    self._fail_all(MarsError(f"decoding failed: {type(err).__name__}: {err}"), waiting=False)
+                self.batch = self._new_batch()
+
+    def _step(self, joining: list[DecodeRow]) -> None:
+        batch, b_size = self.batch, self.model.block_size or 1
+        batch.add(joining)
+        policy_rows = [r for r in batch.rows if r is not None and r.key and not r.lossless]
+        if policy_rows:
+            fixed = [r.tau for r in batch.rows if r is not None and not r.key and not r.lossless]
+            tau = self.policy.choose(fixed, len(policy_rows), b_size,
+                                     masks=any(r is not None and r.lossless for r in batch.rows))
+            for r in policy_rows:
+                r.tau = tau
+        rows = len(batch)
+        started = time.perf_counter()
+        updates = batch.step()
+        seconds = time.perf_counter() - started
+        width = batch.last_width
+        accepted: dict[float, list[int]] = {}
+        for u in updates:
+            if not u.row.lossless:
+                entry = accepted.setdefault(u.row.tau, [0, 0])
+                entry[0], entry[1] = entry[0] + len(u.new_tokens), entry[1] + 1
+        decoding = width <= 2 * b_size  # wider: a prompt's prefill rides in this step
+        self.policy.observe(rows, width, seconds if decoding else None, {t: tuple(v) for t, v in accepted.items()})
+        if self.metrics is not None:
+            self.metrics.step(rows, width, seconds, decoding, sum(len(u.new_tokens) for u in updates),
+                              self.policy, self.queue_depth)
+        for u in updates:
+            handle = self.handles.pop(id(u.row), None) if u.done else self.handles.get(id(u.row))
+            if handle is None:  # failed by close(drain=False) meanwhile
+                continue
+            handle.taus.append(u.row.tau)
+            if u.new_tokens:
+                handle.push(u.new_tokens)
+            if u.done:
+                handle.push(Finished(u.token_ids, u.forwards, "stop" if u.stopped else "length", handle.taus))
+
+    def _fail_all(self, error: Exception, waiting: bool = True) -> None:
+        for handle in self.handles.values():
+            handle.push(error)
+        self.handles.clear()
+        if waiting:
+            for _, handle in self.waiting:
+                handle.push(error)
+            self.waiting.clear()

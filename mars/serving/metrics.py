@@ -1,0 +1,63 @@
+"""``/metrics``: the server's state in Prometheus text format (prometheus-client, one registry per server).
+
+What an operator (and the HorizontalPodAutoscaler, through the Prometheus adapter) reads:
+``mars_queue_depth`` (requests waiting for a batch row), ``mars_running_requests``, ``mars_tau_in_use``
+(the policy's current tau), ``mars_step_cost_seconds{batch, width}`` (the measured decoding-step cost
+the adaptive policy decides on), ``mars_tokens_per_forward{tau}``, counters of requests by status,
+generated tokens and decoding steps, a step-time histogram, and ``mars_release_info`` (which release
+serves new requests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = registry = CollectorRegistry()
+        self.queue_depth = Gauge("mars_queue_depth", "requests waiting for a batch row", registry=registry)
+        self.running = Gauge("mars_running_requests", "requests decoding in the batch", registry=registry)
+        self.tau = Gauge("mars_tau_in_use", "the tau policy's current tau (rows that named no tau)",
+                         registry=registry)
+        self.step_cost = Gauge("mars_step_cost_seconds", "measured seconds per decoding step (moving average)",
+                               ["batch", "width"], registry=registry)
+        self.tokens_per_forward = Gauge("mars_tokens_per_forward", "measured tokens per row and forward at a tau",
+                                        ["tau"], registry=registry)
+        self.requests = Counter("mars_requests", "finished HTTP generation requests", ["status"], registry=registry)
+        self.tokens = Counter("mars_generated_tokens", "tokens generated", registry=registry)
+        self.steps = Counter("mars_decoding_steps", "batched decoding forwards", registry=registry)
+        self.step_seconds = Histogram("mars_step_seconds", "seconds per batched decoding step", registry=registry,
+                                      buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.release = Gauge("mars_release_info", "1 for the release serving new requests", ["name", "version"],
+                             registry=registry)
+        self.swap_failures = Counter("mars_release_load_failures", "releases that failed to load (the old kept "
+                                     "serving)", registry=registry)
+
+    def step(self, rows: int, width: int, seconds: float, decoding: bool, tokens: int, policy, queue_depth: int):
+        """After each engine step (the engine thread)."""
+        self.steps.inc()
+        self.tokens.inc(tokens)
+        self.step_seconds.observe(seconds)
+        self.queue_depth.set(queue_depth)
+        self.tau.set(policy.tau)
+        snap = getattr(policy, "cost", None)
+        if decoding and snap is not None and (rows, width) in snap:
+            self.step_cost.labels(str(rows), str(width)).set(snap[(rows, width)])
+        elif decoding:
+            self.step_cost.labels(str(rows), str(width)).set(seconds)
+        for tau, value in getattr(policy, "tpf", {}).items():
+            self.tokens_per_forward.labels(f"{tau:g}").set(value)
+
+    def set_release(self, name: str, version: str | None, previous: tuple[str, str | None] | None = None):
+        if previous is not None and previous != (name, version):
+            try:
+                self.release.remove(previous[0], previous[1] or "")
+            except KeyError:
+                pass
+        self.release.labels(name, version or "").set(1)
+
+    def render(self, queue_depth: int, running: int) -> bytes:
+        self.queue_depth.set(queue_depth)
+        self.running.set(running)
+        return generate_latest(self.registry)

@@ -1,0 +1,112 @@
+"""What the server decodes with: a checkpoint or a pulled release, on the PyTorch or the ONNX backend.
+
+A release (``mars pull`` layout, :mod:`mars.release.promote`) brings its default tau (``tau``) and the
+tau floor its gate accepted (``tau_floor``, the lowest tau whose score loss the gate measured and
+passed; a release without one has no tau below its default vouched for). The adaptive tau policy
+(:mod:`mars.serving.tau_policy`) moves between the floor and the gate's lossless tau (1.0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from mars.core.atomic import read_json
+from mars.core.checkpoint_info import CheckpointInfo
+from mars.errors import MarsError
+
+BACKENDS = ("torch", "onnx")
+
+
+class ServeError(MarsError):
+    pass
+
+
+@dataclass
+class ServedModel:
+    """One loaded model: what requests name it (``name``), how to decode with it and its tau range."""
+
+    name: str
+    tokenizer: Any
+    new_backend: Callable[[], Any]  # a fresh decode backend (one per engine)
+    block_size: int | None  # B; None: not a MARS checkpoint (tau = 1 only)
+    mask_id: int
+    stop_ids: list[int]
+    context: int | None  # positions a sequence may fill (prompt + generated)
+    default_tau: float
+    tau_floor: float
+    tau_ceiling: float = 1.0  # the gate's tau: quality equal to the AR baseline
+    max_rows: int | None = None  # rows the backend holds at most (an export's fixed batch)
+    version: str | None = None  # the release version; None for a checkpoint directory
+    source: str = ""
+    backend: Literal["torch", "onnx"] = "torch"
+    manifest: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        release = f" {self.version}" if self.version else ""
+        return (f"{self.name}{release} from {self.source} ({self.backend}, B={self.block_size}, "
+                f"tau {self.default_tau}, floor {self.tau_floor})")
+
+
+def _check_tau(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ServeError(f"{what}: must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+def load_checkpoint(path: str | Path, *, name: str, backend: str = "torch", default_tau: float = 0.9,
+                    tau_floor: float | None = None, device: str = "cpu", dtype: str = "float32",
+                    export_dir: str | Path | None = None, tokenizer_dir: str | Path | None = None,
+                    version: str | None = None, manifest: dict | None = None) -> ServedModel:
+    """A checkpoint directory (``backend="torch"``) or its export (``backend="onnx"``, ``export_dir``)."""
+    from mars.decoding.loop import _context_length, stop_token_ids_of
+
+    default_tau = _check_tau(default_tau, "tau")
+    floor = default_tau if tau_floor is None else _check_tau(tau_floor, "tau_floor")
+    if floor > default_tau:
+        raise ServeError(f"tau_floor: {floor} is above the default tau {default_tau}")
+    if backend == "torch":
+        from mars.core.models import load_model
+        from mars.decoding.torch_backend import TorchBackend
+
+        model, tokenizer = load_model(path, dtype=dtype, device=device)
+        config, stops = model.config, stop_token_ids_of(model, tokenizer)
+        info = CheckpointInfo.from_config(config)
+        new_backend, max_rows = (lambda: TorchBackend(model)), None
+    elif backend == "onnx":
+        from transformers import AutoTokenizer
+
+        from mars.decoding.onnx_backend import ExportedBlock, OnnxBackend
+
+        if export_dir is None or not Path(export_dir).is_dir():
+            raise ServeError(f"--backend onnx: no export next to {path} (run `mars export`, or serve with torch)")
+        engine = ExportedBlock(export_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or export_dir)
+        config, stops, info = engine.config, stop_token_ids_of(engine, tokenizer), engine.info
+        new_backend, max_rows = (lambda: OnnxBackend(engine)), engine.spec.batch_size
+    else:
+        raise ServeError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if info is None and floor < 1.0:
+        raise ServeError(f"{path}: not a MARS checkpoint (no config.mars): it serves tau = 1.0 only")
+    return ServedModel(name=name, tokenizer=tokenizer, new_backend=new_backend,
+                       block_size=info.block_size if info else None, mask_id=info.mask_token_id if info else 0,
+                       stop_ids=stops, context=_context_length(config), default_tau=default_tau, tau_floor=floor,
+                       max_rows=max_rows, version=version, source=str(path), backend=backend, manifest=manifest or {})
+
+
+def load_release(release_dir: str | Path, *, backend: str = "torch", device: str = "cpu",
+                 dtype: str = "float32") -> ServedModel:
+    """A pulled release directory: its checkpoint (torch) or export (onnx), its tau and tau floor."""
+    from mars.release.promote import MANIFEST_FILE, ReleaseError
+
+    release_dir = Path(release_dir)
+    manifest = read_json(release_dir / MANIFEST_FILE, "not a pulled release: run `mars pull`", ReleaseError)
+    where = release_dir / MANIFEST_FILE
+    tau = _check_tau(manifest.get("tau", 1.0), f"{where}: tau")
+    floor = _check_tau(manifest.get("tau_floor", tau), f"{where}: tau_floor")
+    if backend == "onnx" and "onnx" not in manifest.get("engines", {}):
+        raise ServeError(f"{where}: release {manifest.get('version')} has no ONNX export; serve it with --backend torch")
+    return load_checkpoint(release_dir / "checkpoint", name=manifest["name"], backend=backend, default_tau=tau,
+                           tau_floor=min(floor, tau), device=device, dtype=dtype, export_dir=release_dir / "export",
+                           tokenizer_dir=release_dir / "tokenizer", version=manifest.get("version"), manifest=manifest)

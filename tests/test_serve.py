@@ -1,0 +1,418 @@
+"""mars serve: a real uvicorn on 127.0.0.1, a small release made here, driven with the official openai client.
+
+The release is a tiny random Llama (confident enough that tau < 1 accepts several slots, its EOS never the
+argmax so greedy requests run to their budget) with a real BPE tokenizer and chat template, promoted to a
+directory store through mars.release.promote and pulled by the server as `mars serve --release` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import tiny_model
+
+from mars.core.digest import sha256_tree
+from mars.decoding.loop import CachedBatch, DecodeRow, generate
+from mars.decoding.sampling import Sampler, SamplingParams, filtered_probs
+from mars.decoding.torch_backend import TorchBackend
+from mars.release.promote import promote
+from mars.release.store import open_store
+from mars.serving.config import ServeConfig
+from mars.serving.server import build, make_server
+from mars.serving.tau_policy import AdaptiveTau, TauRange
+
+B = 4
+NAME = "mars"
+PROMPTS = ["3 plus 4 is", "the cat sat on", "list three numbers", "what is 2 plus 2"]
+TEXTS = [f"{a} plus {b} is {a + b}. the cat sat on the mat. list three numbers: 1 2 3." for a in range(30)
+         for b in range(3)]
+
+
+def quiet(*_args) -> None:
+    pass
+
+
+# ------------------------------------------------------------------------------------------- the release
+
+def make_checkpoint(out: Path, seed: int, scale: float = 60.0) -> Path:
+    from mars.core.mask_token import add_mask_token
+    from mars.training.base import train_tokenizer
+
+    tokenizer = train_tokenizer(TEXTS, vocab_size=300)
+    model = tiny_model("llama", seed=seed, vocab=len(tokenizer) + 8)
+    info = add_mask_token(model, tokenizer)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+        model.lm_head.weight[tokenizer.eos_token_id] = 0  # logit 0: never the argmax among ~300 spread ones
+    model.config.mars = {"block_size": B, "mask_token_id": info.token_id, "objective": "mars", "stage": "mars"}
+    model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def publish(root: Path, store_uri: str, seed: int, *, broken: bool = False, speed_tau: float = 0.5) -> None:
+    """Promote a tiny checkpoint (a stand-in export: the torch backend does not read it) to stage prod."""
+    ckpt = make_checkpoint(root / "checkpoint", seed)
+    if broken:  # a release whose weights do not load: the server must keep the old one
+        (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
+    export = root / "export"
+    export.mkdir(parents=True)
+    mars = json.loads((ckpt / "config.json").read_text())["mars"]
+    (export / "manifest.json").write_text(json.dumps({"format_version": 1, "mars": mars,
+                                                      "checkpoint": {"sha256": sha256_tree(ckpt)}}))
+    gate = {"passed": True, "checks_passed": True, "overridden": False,
+            "override": {"enabled": False, "reason": "", "by": ""}, "candidate": "mars", "baseline": "ar_control",
+            "tau": 1.0, "speed_tau": speed_tau,
+            "checks": [{"name": "average", "value": 0.6, "limit": 0.58, "passed": True},
+                       {"name": "score_at_speed_tau", "value": 0.59, "limit": 0.58, "passed": True, "tau": speed_tau}],
+            "artifacts": {"checkpoint": {"name": "mars", "sha256": sha256_tree(ckpt)},
+                          "export": {"path": str(export), "sha256": sha256_tree(export)}}}
+    (root / "gate.json").write_text(json.dumps(gate))
+    promote(open_store(store_uri), gate=root / "gate.json", export=export, checkpoint=ckpt, by="test_serve",
+            name=NAME, stage="prod", tau=0.9, log=quiet)
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    store_uri = str(root / "store")
+    publish(root / "v1", store_uri, seed=0)
+    from mars.core.models import load_model
+
+    model, tokenizer = load_model(root / "v1" / "checkpoint")
+    return {"root": root, "store": store_uri, "model": model, "tokenizer": tokenizer}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """`mars serve --release mars --stage prod` in a thread of this process (uvicorn on a free port)."""
+
+    def __init__(self, release, cache: Path, *, api_key: str | None = None, poll: float = 0.0, **cfg):
+        self.cfg = ServeConfig(port=free_port(), poll_seconds=poll, drain_seconds=30, **cfg)
+        self.built = build(self.cfg, release=NAME, stage="prod", store=open_store(release["store"]), cache=cache,
+                           api_key=api_key)
+        self.server = make_server(self.built, self.cfg, log_level="warning")
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.cfg.port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "none", max_retries=0)
+
+    def post(self, path: str, body, **kw) -> httpx.Response:
+        content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        return httpx.post(self.url + path, content=content, headers={"content-type": "application/json"},
+                          timeout=60, **kw)
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        for engine in self.built.serving.engines():
+            engine.close(drain=False, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(release, tmp_path_factory):
+    running = Running(release, tmp_path_factory.mktemp("cache"), max_batch=8, max_queue=32)
+    yield running
+    running.stop()
+
+
+def chat(server, prompt: str, **kw):
+    extra = {k: kw.pop(k) for k in ("tau", "mode", "block_size") if k in kw}
+    return server.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                                 extra_body=extra or None, **kw)
+
+
+def alone(release, prompt, tau: float, max_tokens: int, **kw):
+    return generate(release["model"], release["tokenizer"], [prompt], tau=tau, max_new_tokens=max_tokens, **kw)[0]
+
+
+# ------------------------------------------------------------------------------------------- behaviour
+
+def test_greedy_tau_one_equals_mars_generate(server, release):
+    for prompt in PROMPTS:
+        reference = alone(release, prompt, 1.0, 24)
+        out = chat(server, prompt, temperature=0, max_tokens=24, tau=1.0)
+        assert out.choices[0].message.content == reference.text
+        assert out.usage.completion_tokens == len(reference.token_ids) == 24
+        assert out.usage.forwards == reference.forwards and out.usage.tokens_per_forward == 1.0
+        assert out.choices[0].finish_reason == "length"
+    ids = release["tokenizer"]("3 plus 4 is")["input_ids"]  # /v1/completions with token ids: no chat template
+    out = server.client.completions.create(model=NAME, prompt=ids, temperature=0, max_tokens=12,
+                                           extra_body={"tau": 1.0})
+    assert out.choices[0].text == alone(release, ids, 1.0, 12).text
+
+
+def test_each_request_keeps_its_own_tau_inside_one_running_batch(server, release):
+    taus = [1.0, 0.9, 0.7, 0.5, 0.3, 0.9, 0.5, 1.0]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(taus))]
+    steps_before = server.metric("mars_decoding_steps_total")
+    with ThreadPoolExecutor(len(taus)) as pool:
+        outs = list(pool.map(lambda pt: chat(server, pt[0], temperature=0, max_tokens=32, tau=pt[1]),
+                             zip(prompts, taus)))
+    steps = server.metric("mars_decoding_steps_total") - steps_before
+    for prompt, tau, out in zip(prompts, taus, outs):
+        reference = alone(release, prompt, tau, 32)
+        assert out.choices[0].message.content == reference.text, tau
+        assert out.usage.forwards == reference.forwards
+        assert out.usage.tau == pytest.approx(tau)
+    assert max(o.usage.tokens_per_forward for o in outs) > 1.5  # the low taus did read masks
+    assert steps < sum(o.usage.forwards for o in outs)  # requests shared steps: one running batch
+
+
+def test_lossless_mode_and_block_size_per_request(server, release):
+    reference = alone(release, PROMPTS[0], 1.0, 20)
+    out = chat(server, PROMPTS[0], temperature=0, max_tokens=20, mode="lossless")
+    assert out.choices[0].message.content == reference.text
+    capped = chat(server, PROMPTS[1], temperature=0, max_tokens=20, tau=0.3, block_size=2)
+    assert 1.0 < capped.usage.tokens_per_forward <= 2.0
+    one = chat(server, PROMPTS[1], temperature=0, max_tokens=20, tau=0.3, block_size=1)
+    assert one.choices[0].message.content == alone(release, PROMPTS[1], 1.0, 20).text  # B = 1 is AR
+
+
+def test_streaming_gives_the_non_streaming_text(server):
+    for kwargs in ({"tau": 1.0}, {"tau": 0.5}, {"tau": 0.5, "stop": ["the", "3"]}, {"temperature": 0.8, "seed": 7}):
+        kw = {"temperature": 0, "max_tokens": 30, **kwargs}
+        whole = chat(server, PROMPTS[1], **kw)
+        stream = chat(server, PROMPTS[1], stream=True, stream_options={"include_usage": True}, **kw)
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    stopped = chat(server, PROMPTS[1], temperature=0, max_tokens=30, stop=["the"])
+    unstopped = chat(server, PROMPTS[1], temperature=0, max_tokens=30)
+    if "the" in unstopped.choices[0].message.content:
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].message.content == unstopped.choices[0].message.content.split("the")[0]
+    plain = server.client.completions.create(model=NAME, prompt="the cat", temperature=0, max_tokens=16)
+    streamed = server.client.completions.create(model=NAME, prompt="the cat", temperature=0, max_tokens=16, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", {"model": NAME, "prompt": [5] * 256}, 400, "prompt"),  # the context is 256
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+     400, "max_tokens"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6},
+     400, "max_tokens"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tau": 0}, 400, "tau"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tau": 1.5}, 400, "tau"),
+    ("/v1/chat/completions", '{"model": "mars", "messages": [', 400, "body"),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "block_size": 9},
+     400, "block_size"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "mode": "lossless",
+                              "temperature": 0.7}, 400, "mode"),
+    ("/v1/completions", {"model": NAME, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": NAME, "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": NAME}, 400, "prompt"),
+])
+def test_bad_input_gets_a_4xx_naming_the_field_and_the_server_keeps_serving(server, path, body, status, param):
+    response = server.post(path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and param in error["message"] and error["type"]
+    assert chat(server, "hi", temperature=0, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_openai_client_raises_its_own_errors(server):
+    with pytest.raises(openai.NotFoundError):
+        server.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(server, "hi", tau=2.0)
+    assert err.value.body["param"] == "tau"
+
+
+def test_models_health_and_metrics(server):
+    models = server.client.models.list().data
+    assert [m.id for m in models] == [NAME]
+    assert models[0].block_size == B and models[0].tau == 0.9 and models[0].tau_floor == 0.5
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "model": NAME, "version": "v1"}
+    chat(server, "hi", temperature=0, max_tokens=4)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("mars_queue_depth", "mars_tau_in_use", "mars_step_cost_seconds{", "mars_running_requests",
+                 'mars_release_info{name="mars",version="v1"} 1.0'):
+        assert name in text
+
+
+def test_seeded_sampling_is_reproducible(server):
+    a = chat(server, PROMPTS[2], temperature=1.0, seed=11, max_tokens=20, tau=0.7)
+    b = chat(server, PROMPTS[2], temperature=1.0, seed=11, max_tokens=20, tau=0.7)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_sampling_at_tau_one_follows_the_ar_distribution(release):
+    """Slot 0 is an ordinary AR sample; at tau = 1.0 so is every token: the first token's frequencies over
+    seeded samples match the model's softmax, and so do the second token's given the most frequent first."""
+    model = tiny_model("llama", seed=3, vocab=40)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)  # spread over a dozen tokens or so
+    prompt, n, temperature = [5, 9, 2, 7], 3000, 0.9
+    batch = CachedBatch(TorchBackend(model), block_size=B, stop_ids=torch.tensor([], dtype=torch.long), mask_id=39)
+    rows = [DecodeRow(prompt, 2, tau=1.0, sampler=Sampler(SamplingParams(temperature, seed=s))) for s in range(n)]
+    samples = []
+    for start in range(0, n, 500):
+        batch.add(rows[start:start + 500])
+        while len(batch):
+            samples += [u.token_ids for u in batch.step() if u.done]
+
+    def check(prefix, observed):
+        with torch.no_grad():
+            probs = filtered_probs(model(torch.tensor([prefix])).logits[0, -1], temperature, 1.0).double()
+        counts = torch.bincount(torch.tensor(observed), minlength=probs.numel()).double()
+        keep = probs * len(observed) >= 5  # chi-square needs expected counts >= 5: pool the tail
+        f_obs, f_exp = counts[keep], probs[keep] * len(observed)
+        if not keep.all():
+            f_obs, f_exp = torch.cat([f_obs, counts[~keep].sum()[None]]), torch.cat([f_exp, f_exp.new_tensor(
+                [len(observed) - float(f_exp.sum())])])
+        stat = ((f_obs - f_exp) ** 2 / f_exp).sum()
+        p_value = torch.special.gammaincc(torch.tensor((len(f_obs) - 1) / 2, dtype=torch.float64), stat / 2)
+        assert p_value > 1e-3, (stat, len(f_obs))  # chi-square goodness of fit
+        return 0.5 * (counts / len(observed) - probs).abs().sum().item()
+
+    assert check(prompt, [s[0] for s in samples]) < 0.05  # total variation
+    first = max(set(s[0] for s in samples), key=[s[0] for s in samples].count)
+    check(prompt + [first], [s[1] for s in samples if s[0] == first])
+
+
+def test_top_p_samples_only_inside_the_nucleus():
+    logits = torch.tensor([[4.0, 3.0, 1.0, 0.0, -1.0]])
+    probs = filtered_probs(logits, 1.0, 0.8)
+    assert probs[0, 2:].sum() == 0 and torch.isclose(probs.sum(), torch.tensor(1.0))
+    sampler = Sampler(SamplingParams(1.0, top_p=0.8, seed=0))
+    assert {int(sampler(logits)[0]) for _ in range(200)} == {0, 1}
+
+
+def test_full_queue_answers_429_with_retry_after_and_api_key_is_required(release, tmp_path):
+    tight = Running(release, tmp_path / "cache", api_key="s3cret", max_batch=1, max_queue=1, default_max_tokens=200)
+    try:
+        assert httpx.get(tight.url + "/v1/models").status_code == 401
+        assert httpx.get(tight.url + "/health").status_code == 200  # probes need no key
+        body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        assert tight.post("/v1/chat/completions", body).status_code == 401
+        wrong = httpx.post(tight.url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(chat, tight, PROMPTS[0], temperature=0, max_tokens=200)
+            while tight.metric("mars_running_requests") < 1:
+                time.sleep(0.01)
+            waiting = pool.submit(chat, tight, PROMPTS[1], temperature=0, max_tokens=5)
+            while tight.metric("mars_queue_depth") < 1 and not waiting.done():
+                time.sleep(0.01)
+            full = httpx.post(tight.url + "/v1/chat/completions", json=body,
+                              headers={"authorization": "Bearer s3cret"})
+            assert full.status_code == 429 and full.headers["retry-after"] == "1"
+            assert full.json()["error"]["type"] == "rate_limit_error"
+            assert running.result().usage.completion_tokens == 200
+            assert waiting.result().usage.completion_tokens == 5
+    finally:
+        tight.stop()
+
+
+def test_hot_swap_under_load_loses_no_request_and_a_bad_release_keeps_the_old(release, tmp_path):
+    live = Running(release, tmp_path / "cache", poll=3600, max_batch=4, max_queue=64)  # polled by hand below
+    try:
+        watch = live.built.watch
+        publish(tmp_path / "v2", release["store"], seed=1)
+        with ThreadPoolExecutor(12) as pool:
+            load = [pool.submit(chat, live, PROMPTS[i % 4], temperature=0, max_tokens=40, tau=0.7) for i in range(24)]
+            time.sleep(0.2)
+            assert watch.check()  # v2 loaded beside v1; new requests go to v2, v1 drains
+            after = [pool.submit(chat, live, PROMPTS[0], temperature=0, max_tokens=10, tau=1.0) for _ in range(4)]
+            outs = [f.result() for f in load + after]
+        assert all(o.usage.completion_tokens == 40 for o in outs[:24])
+        from mars.core.models import load_model
+
+        v2, tok = load_model(tmp_path / "v2" / "checkpoint")
+        assert {o.choices[0].message.content for o in outs[24:]} == {generate(v2, tok, [PROMPTS[0]], tau=1.0,
+                                                                             max_new_tokens=10)[0].text}
+        assert {o.system_fingerprint for o in outs[24:]} == {"v2"}
+        assert httpx.get(live.url + "/health").json()["version"] == "v2"
+
+        publish(tmp_path / "v3", release["store"], seed=2, broken=True)
+        assert not watch.check() and "v3" in watch.last_error
+        assert httpx.get(live.url + "/health").json()["version"] == "v2"
+        assert chat(live, PROMPTS[0], temperature=0, max_tokens=10, tau=1.0).system_fingerprint == "v2"
+        assert live.metric("mars_release_load_failures_total") == 1
+    finally:
+        live.stop()
+
+
+def test_adaptive_policy_lowers_tau_only_while_the_wide_window_pays():
+    taus = TauRange(default=0.9, floor=0.5)
+    cheap, dear = AdaptiveTau(taus), AdaptiveTau(taus)
+    for policy, wide in ((cheap, 0.012), (dear, 0.040)):
+        for _ in range(200):  # measure: a 1-token step costs 10 ms, a B-token step `wide`
+            tau = policy.choose([], 4, B)
+            tpf = {1.0: 1.0, 0.9: 1.4, 0.75: 1.8, 0.5: 2.2}[tau]
+            policy.observe(4, B if tau < 1 else 1, wide if tau < 1 else 0.010, {tau: (int(tpf * 40), 40)})
+    assert cheap.best([], 4, B) == 0.5  # 2.2 tokens per 12 ms beats 1 per 10 ms
+    assert dear.best([], 4, B) == 1.0  # 2.2 tokens per 40 ms loses to 1 per 10 ms
+    assert set(cheap.candidates) == {0.5, 0.75, 0.9, 1.0}
+
+
+@pytest.mark.slow
+def test_sigterm_drains_taken_requests_and_answers_new_ones_503(release, tmp_path):
+    """The real CLI in a subprocess: `mars serve --release`, SIGTERM while requests run."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "mars.cli", "serve", "--release", NAME, "--stage", "prod",
+                             "--store", release["store"], "--cache", str(tmp_path / "cache"), "--port", str(port),
+                             "--max-batch", "1", "--log-level", "warning"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        with ThreadPoolExecutor(4) as pool:
+            taken = [pool.submit(client.chat.completions.create, model=NAME, temperature=0, max_tokens=150,
+                                 messages=[{"role": "user", "content": p}]) for p in PROMPTS]
+            while "mars_running_requests 1.0" not in httpx.get(url + "/metrics").text:
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            late = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": [
+                {"role": "user", "content": "hi"}]})
+            assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+            assert [t.result().usage.completion_tokens for t in taken] == [150] * 4
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
