@@ -65,16 +65,24 @@ def make_checkpoint(out: Path, seed: int, scale: float = 60.0) -> Path:
     return out
 
 
-def publish(root: Path, store_uri: str, seed: int, *, broken: bool = False, speed_tau: float = 0.5) -> None:
-    """Promote a tiny checkpoint (a stand-in export: the torch backend does not read it) to stage prod."""
+def publish(root: Path, store_uri: str, seed: int, *, broken: bool = False, speed_tau: float = 0.5,
+            onnx: bool = False) -> None:
+    """Promote a tiny checkpoint to stage prod, with a real ONNX export (``onnx``) or a stand-in one (the
+    torch backend does not read it)."""
     ckpt = make_checkpoint(root / "checkpoint", seed)
     if broken:  # a release whose weights do not load: the server must keep the old one
         (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
     export = root / "export"
-    export.mkdir(parents=True)
-    mars = json.loads((ckpt / "config.json").read_text())["mars"]
-    (export / "manifest.json").write_text(json.dumps({"format_version": 1, "mars": mars,
-                                                      "checkpoint": {"sha256": sha256_tree(ckpt)}}))
+    if onnx:
+        from mars.release.export import ExportConfig, export_checkpoint
+
+        export_checkpoint(ckpt, export, ExportConfig(batch_size=4, window=8, max_context=96, tensorrt=False,
+                                                     latency_iters=1), log=quiet)
+    else:
+        export.mkdir(parents=True)
+        mars = json.loads((ckpt / "config.json").read_text())["mars"]
+        (export / "manifest.json").write_text(json.dumps({"format_version": 1, "mars": mars,
+                                                          "checkpoint": {"sha256": sha256_tree(ckpt)}}))
     gate = {"passed": True, "checks_passed": True, "overridden": False,
             "override": {"enabled": False, "reason": "", "by": ""}, "candidate": "mars", "baseline": "ar_control",
             "tau": 1.0, "speed_tau": speed_tau,
@@ -380,6 +388,54 @@ def test_adaptive_policy_lowers_tau_only_while_the_wide_window_pays():
     assert cheap.best([], 4, B) == 0.5  # 2.2 tokens per 12 ms beats 1 per 10 ms
     assert dear.best([], 4, B) == 1.0  # 2.2 tokens per 40 ms loses to 1 per 10 ms
     assert set(cheap.candidates) == {0.5, 0.75, 0.9, 1.0}
+
+
+def test_adaptive_server_decodes_unnamed_taus_between_the_floor_and_one(release, tmp_path):
+    adaptive = Running(release, tmp_path / "cache", tau_policy="adaptive", max_batch=8)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda i: chat(adaptive, PROMPTS[i % 4], temperature=0, max_tokens=32), range(16)))
+        named = chat(adaptive, PROMPTS[0], temperature=0, max_tokens=16, tau=0.3)
+        assert named.usage.tau == pytest.approx(0.3)  # a request that names its tau keeps it
+        assert all(0.5 - 1e-9 <= o.usage.tau <= 1.0 for o in outs)
+        assert len({round(o.usage.tau, 6) for o in outs}) > 1  # the policy tried more than one tau
+        text = httpx.get(adaptive.url + "/metrics").text
+        assert 'width="1"' in text and f'width="{B}"' in text  # it measured both windows
+        assert 0.5 <= adaptive.metric("mars_tau_in_use") <= 1.0
+    finally:
+        adaptive.stop()
+
+
+def test_the_release_floor_is_the_gates_passed_speed_tau():
+    from mars.release.promote import tau_floor
+
+    passed = {"checks_passed": True, "speed_tau": 0.8,
+              "checks": [{"name": "score_at_speed_tau", "passed": True, "tau": 0.8}]}
+    assert tau_floor(passed, 0.9) == 0.8
+    assert tau_floor(passed, 0.7) == 0.7  # never above the release's default
+    assert tau_floor({**passed, "checks_passed": False}, 0.9) == 0.9  # an overridden gate vouches for nothing
+    assert tau_floor({**passed, "checks": []}, 0.9) == 0.9  # no score measured at the speed tau
+
+
+@pytest.mark.slow
+def test_the_onnx_backend_serves_the_release_export(tmp_path):
+    """--backend onnx: the release's exported block forward, same tokens as the PyTorch decoder."""
+    publish(tmp_path / "v1", str(tmp_path / "store"), seed=0, onnx=True)
+    from mars.core.models import load_model
+
+    model, tokenizer = load_model(tmp_path / "v1" / "checkpoint")
+    release = {"store": str(tmp_path / "store")}
+    onnx = Running(release, tmp_path / "cache", backend="onnx", max_batch=8)
+    try:
+        assert onnx.built.serving.current.max_batch == 4  # the export's fixed batch
+        taus = [1.0, 0.7, 0.5, 0.9, 1.0, 0.3]
+        with ThreadPoolExecutor(len(taus)) as pool:
+            outs = list(pool.map(lambda t: chat(onnx, PROMPTS[1], temperature=0, max_tokens=16, tau=t), taus))
+        for tau, out in zip(taus, outs):
+            assert out.choices[0].message.content == generate(model, tokenizer, [PROMPTS[1]], tau=tau,
+                                                              max_new_tokens=16)[0].text
+    finally:
+        onnx.stop()
 
 
 @pytest.mark.slow
