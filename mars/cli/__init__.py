@@ -20,6 +20,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "generate": ("mars.cli.generate", "decode prompts with a MARS checkpoint at block size B and threshold tau"),
     "bench-decode": ("mars.cli.bench_decode", "side-by-side decoding speed against HF generate with KV cache"),
     "evaluate": ("mars.cli.evaluate", "score checkpoints on benchmarks over a tau sweep; metrics, plots, report"),
+    "lm-eval": ("mars.cli.lm_eval", "lm-evaluation-harness's command line with the mars model (--model mars --model_args tau=...)"),
     "gate": ("mars.cli.gate", "decide promotion: MARS at tau=1.0 vs the AR baseline"),
     "export": ("mars.cli.export", "export the fixed-B block forward to ONNX (and TensorRT where CUDA is present)"),
     "promote": ("mars.cli.promote", "publish a gated release to the artifact store and move the stage pointer"),

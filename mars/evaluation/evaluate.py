@@ -30,21 +30,18 @@ from mars.core.digest import sha256_tree
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.evaluation.benchmarks import BenchmarkConfig, Context, create
 from mars.errors import ConfigError, MarsError
+from mars.evaluation.harness import LmEvalConfig
 from mars.evaluation.metric_key import MetricKey, sweep_order
 from mars.evaluation.sandbox import SandboxLimits
 
 
 def _default_benchmarks() -> dict[str, BenchmarkConfig]:
     """params.yaml's table: the held-out split on; the rest off for the from-scratch tiny model."""
-    hub = {"ifeval": (100, 512), "gsm8k": (100, 384), "humaneval": (0, 512), "bbh": (100, 256), "mmlu_pro": (100, 384),
-           "gpqa": (0, 512)}
     return {
         "heldout": BenchmarkConfig(n=0, max_new_tokens=48),
         "humaneval": BenchmarkConfig(enabled=False, n=20, max_new_tokens=384, options={"prompt_format": "chat"}),
         "gsm": BenchmarkConfig(enabled=False, n=20, max_new_tokens=256),
         "ifeval": BenchmarkConfig(enabled=False, n=20, max_new_tokens=256, options={"max_instructions": 2}),
-        **{f"hub_{preset}": BenchmarkConfig(kind="hub", enabled=False, n=n, max_new_tokens=tokens,
-                                            options={"preset": preset}) for preset, (n, tokens) in hub.items()},
     }
 
 
@@ -69,6 +66,8 @@ class EvalConfig:
                                         # below tau = 1, where a model never trained with masks is known to fail
     reference: str | None = None  # a checkpoint name: every output is compared with its tau = 1.0 output
                                   # (mars.evaluation.agreement); None: no agreement measures
+    lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)  # lm-evaluation-harness tasks over the same
+                                                                 # sweep (mars.evaluation.harness)
     lossless: bool = True  # also decode each benchmark in lossless mode (key <checkpoint>/<benchmark>/lossless):
                            # the tau = 1.0 output by construction, at the tokens/forward its drafts earn
 
@@ -84,8 +83,8 @@ class EvalConfig:
             raise ConfigError(f"block_size: must be >= 1, got {self.block_size}")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size: must be >= 1, got {self.batch_size}")
-        if not any(b.enabled for b in self.benchmarks.values()):
-            raise ConfigError("benchmarks: none is enabled")
+        if not any(b.enabled for b in self.benchmarks.values()) and not self.lm_eval.tasks:
+            raise ConfigError("benchmarks: none is enabled (and lm_eval.tasks is empty)")
         if self.ar_taus is not None and (not self.ar_taus or not all(t in self.taus for t in self.ar_taus)):
             raise ConfigError(f"ar_taus: must be a non-empty subset of taus {self.taus}, got {self.ar_taus}")
         if self.reference is not None and 1.0 not in self.taus:
@@ -95,6 +94,13 @@ class EvalConfig:
         """The sweep of one checkpoint: ``ar_taus`` for an AR checkpoint where set, else ``taus``."""
         info = CheckpointInfo.from_config(model)
         return self.ar_taus if self.ar_taus is not None and info is not None and info.objective == "ar" else self.taus
+
+    def block_size_for(self, name: str, model) -> int:
+        """B of one checkpoint: ``block_size``, else its ``config.mars.block_size``."""
+        block_size = self.block_size or CheckpointInfo.block_size_of(model)
+        if block_size is None:
+            raise MarsError(f"checkpoint {name}: no config.mars.block_size; set evaluate.block_size")
+        return block_size
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -127,9 +133,7 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
     entries."""
     from mars.decoding.loop import generate
 
-    block_size = cfg.block_size or CheckpointInfo.block_size_of(model)
-    if block_size is None:
-        raise MarsError(f"checkpoint {name}: no config.mars.block_size; set evaluate.block_size")
+    block_size = cfg.block_size_for(name, model)
     entries: dict[str, dict] = {}
     for bench_name, bench in benchmarks.items():
         bench_items = items[bench_name]
@@ -216,7 +220,7 @@ def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, o
     """Evaluate every checkpoint; write per-item outputs, metrics, plot data, PNGs and the report."""
     import torch
 
-    from mars.evaluation import plots
+    from mars.evaluation import harness, plots
     from mars.core.models import load_model
 
     if not checkpoints:
@@ -225,6 +229,8 @@ def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, o
         torch.set_num_threads(cfg.threads)
     out_dir = Path(out_dir)
     benchmarks, items = build_benchmarks(cfg, data_dir, tasks)
+    # checked and loaded before any model: a hub data set offline fails here, in one line
+    harness_tasks = harness.load_tasks(cfg.lm_eval) if cfg.lm_eval.tasks else None
     metrics: dict[str, dict] = {}
     started = time.perf_counter()
     for name, path in checkpoints.items():
@@ -233,6 +239,8 @@ def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, o
         model, tokenizer = load_model(path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
                                       device=cfg.device)
         entries = evaluate_model(name, model, tokenizer, benchmarks, items, cfg, out_dir, log=log)
+        if harness_tasks is not None:
+            entries.update(harness.evaluate_model(name, model, tokenizer, harness_tasks, cfg, out_dir, log=log))
         metrics.update({key: {**entry, "checkpoint_sha256": digest} for key, entry in entries.items()})
         del model
     if cfg.reference is not None:

