@@ -122,13 +122,18 @@ def plot_training(tsvs: dict[str, Path], path: Path) -> Path | None:
 
 
 def _table(per_ckpt: dict[str, list[dict]]) -> list[str]:
-    lines = ["| checkpoint | tau | score | tokens/forward | forwards | seconds | tokens/s | n |",
-             "|---|---|---|---|---|---|---|---|"]
+    # agreement with evaluate.reference (mars.evaluation.agreement), where it was measured
+    agreement = any("agree_exact" in r for rows in per_ckpt.values() for r in rows)
+    extra = " agrees % | matched prefix | ref log-prob |" if agreement else ""
+    lines = ["| checkpoint | tau | score | tokens/forward | forwards | seconds | tokens/s | n |" + extra,
+             "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if agreement else "")]
     for ckpt, rows in per_ckpt.items():
         for r in rows:
             tau = "lossless" if r["tau"] is None else f"{r['tau']:g}"
+            more = (f" {100 * r['agree_exact']:.1f} | {r['agree_prefix']:.1f} | {r['ref_logprob']:.3f} |"
+                    if agreement else "")
             lines.append(f"| {ckpt} | {tau} | {100 * r['score']:.1f} | {r['tokens_per_forward']:.2f} | "
-                         f"{r['forwards']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['n']} |")
+                         f"{r['forwards']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['n']} |" + more)
     return lines
 
 
