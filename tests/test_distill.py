@@ -199,3 +199,15 @@ def test_off_writes_a_manifest_that_says_so(base, tmp_path):
     assert manifest == {"format_version": distill.FORMAT_VERSION, "enabled": False}
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json"]
     assert (tmp_path / "work").is_dir()
+
+
+@pytest.mark.parametrize("profile", ["qwen2_5_0_5b", "qwen2_5_7b"])
+def test_the_qwen_profiles_distill_stage_fails_offline_naming_what_needs_the_hub(profile, base, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "mars.cli", "distill", "--params", str(ROOT / "params.yaml"),
+                           "-S", f"profile={profile}", "--base", str(base), "--out", str(tmp_path / "out"),
+                           "--work", str(tmp_path / "work")], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("mars distill: error: distill.datasets.name: 'HuggingFaceH4/ultrachat_200k'")
+    assert "needs the Hugging Face hub" in last and not (tmp_path / "out").exists()
