@@ -191,3 +191,23 @@ def test_an_override_from_any_entry_point_needs_a_reason_and_who(tmp_path):
     with pytest.raises(ConfigError, match=r"^gate\.override\.reason: an override needs a reason$"):
         gate_cli.main(args)
     assert not out.exists()
+
+
+def test_each_baseline_of_a_list_is_checked_with_the_paired_standard_error():
+    m = metrics(mars_a=0.50, ar_control_a=0.50, sft_a=0.75)
+    items = {"mars": {"1": 1.0, "2": 0.0, "3": 1.0, "4": 0.0}, "ar_control": {"1": 1.0, "2": 0.0, "3": 0.0, "4": 1.0},
+             "sft": {"1": 1.0, "2": 1.0, "3": 1.0, "4": 0.0}}
+    d = decide(m, at_tau1(baseline=["ar_control", "sft"], tolerance=0.02),
+               item_scores=lambda ckpt, bench, tau: items[ckpt])
+    by_name = {c["name"]: c for c in d["checks"]}
+    assert list(by_name) == ["a vs ar_control", "average vs ar_control", "a vs sft", "average vs sft"]
+    assert by_name["a vs ar_control"]["passed"] and not by_name["a vs sft"]["passed"]
+    # differences per item vs ar_control: 0, 0, +1, -1 -> mean 0, sd sqrt(2/3), SE sqrt(2/3)/2
+    assert by_name["a vs ar_control"]["paired_delta"] == 0.0 and by_name["a vs ar_control"]["n_paired"] == 4
+    assert by_name["a vs ar_control"]["paired_se"] == pytest.approx((2 / 3) ** 0.5 / 2)
+    # vs sft: 0, -1, 0, 0 -> mean -0.25, SE 0.25
+    assert by_name["a vs sft"]["paired_delta"] == -0.25 and by_name["a vs sft"]["paired_se"] == pytest.approx(0.25)
+    assert by_name["average vs sft"]["paired_se"] == pytest.approx(0.25)  # one benchmark: its own SE
+    assert "a: mars 0.5000 < sft 0.7500 - tolerance 0.02" in d["failures"]
+    with pytest.raises(ConfigError, match="baseline: must name checkpoints other than the candidate"):
+        GateConfig(baseline=["ar_control", "mars"])
