@@ -345,9 +345,10 @@ def test_tiny_pipeline_end_to_end_through_the_flow(pipeline_run, tmp_path):
     root, state = pipeline_run["root"], pipeline_run["state"]
     assert state.is_completed(), f"{state.name}: {state.message}\n" + "\n".join(flow_logs(state)[-60:])
     result = state.result()
-    assert list(result["stages"]) == ["base", "prepare", "sft", "mars", "ar_control", "evaluate", "export",
-                                      "gate", "promote"]
+    assert list(result["stages"]) == ["base", "distill", "prepare", "sft", "mars", "ar_control", "evaluate",
+                                      "export", "gate", "promote"]
     assert result["gate"]["passed"] and result["promoted"]
+    assert "-> prod" in result["released"]  # the flow's release step, not the promote stage (staging)
     assert result["remote"] == "store"
     print(f"tiny pipeline through the flow: {pipeline_run['seconds']:.0f} s")
 

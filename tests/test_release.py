@@ -494,3 +494,18 @@ def test_a_dvc_experiment_publishes_to_staging_and_never_moves_prod(tmp_path):
     assert run.returncode != 0
     assert "the production stage is not moved from a DVC experiment" in run.stdout + run.stderr
     assert "stages/mars/prod.json" not in store.list("stages/")
+
+
+def test_the_same_gated_files_are_one_release_whichever_stage_gets_them(tmp_path):
+    """The pipeline publishes to staging, the flow's release step then moves prod: to that release, not a copy;
+    a re-run with nothing changed moves nothing."""
+    store = open_store(str(tmp_path / "store"))
+    inputs = make_inputs(tmp_path / "a", "a")
+    assert promote(store, **inputs, stage="staging", by="dvc", log=quiet)["version"] == "v1"
+    pointer = promote(store, **inputs, **PROD, log=quiet)
+    assert (pointer["version"], pointer["moved_by"], pointer["previous"]) == ("v1", "tester", None)
+    again = promote(store, **inputs, **PROD, log=quiet)
+    assert again == pointer and store.list("releases/mars/") == ["releases/mars/v1/manifest.json",
+                                                                  "releases/mars/v1/seal.json"]
+    other = make_inputs(tmp_path / "b", "b")
+    assert promote(store, **other, **PROD, log=quiet)["version"] == "v2"

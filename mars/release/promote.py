@@ -271,6 +271,18 @@ def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: s
         "published_by": by,
         "files": entries,
     }
+    total = sum(e["size"] for e in entries.values())
+    same = _same_release(store, name, stage, manifest)
+    if same is not None:  # these very files under this very decision: that release, not a copy of it
+        version, manifest_sha256 = same
+        current = _read_pointer(store, name, stage)
+        if current and current.get("version") == version and current.get("manifest_sha256") == manifest_sha256:
+            log(f"{name} {stage} already at {version} ({len(entries)} files, {total / 2**20:.1f} MB): unchanged")
+            return current
+        pointer = _move_pointer(store, name, stage, version, manifest_sha256, "promote", by)
+        log(f"promoted {name} {version} (published before, same files and gate decision) -> {stage} in "
+            f"{store.uri}: {uploaded} uploaded, previous: {pointer['previous'] or 'none'}")
+        return pointer
     # Claim the next free version: the manifest write is create-only, a concurrent promote that
     # took the same number makes this one try the next.
     for _ in range(100):
@@ -285,10 +297,31 @@ def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: s
                            "(too many concurrent promotes)")
     store.put_json(seal_key(name, version), {"manifest_sha256": manifest_sha256}, if_absent=True)
     pointer = _move_pointer(store, name, stage, version, manifest_sha256, "promote", by)
-    total = sum(e["size"] for e in entries.values())
     log(f"promoted {name} {version} -> {stage} in {store.uri}: {len(entries)} files ({total / 2**20:.1f} MB), "
         f"{uploaded} uploaded ({uploaded_bytes / 2**20:.1f} MB), previous: {pointer['previous'] or 'none'}")
     return pointer
+
+
+# What makes two publications the same release (not who published it, when, from which stage or commit).
+_RELEASE_CONTENT = ("format", "name", "block_size", "tau", "tau_floor", "mask_token_id", "model", "engines", "gate",
+                    "files")
+
+
+def _same_release(store: Store, name: str, stage: str, manifest: dict) -> tuple[str, str] | None:
+    """(version, manifest sha256) of the release ``stage`` points at, or of the newest one, if it holds the
+    same content as ``manifest`` (verified as a pull would: pointer or seal; its objects were just checked)."""
+    current = _read_pointer(store, name, stage)
+    versions = _versions(store, name)
+    candidates = [(current.get("version"), stage)] if current else []
+    candidates += [(versions[-1], None)] if versions else []
+    for version, via in candidates:
+        try:
+            found, data = resolve_release(store, name, stage=via, version=None if via else version)
+        except (NotFound, IntegrityError):
+            continue
+        if all(found.get(k) == manifest.get(k) for k in _RELEASE_CONTENT):
+            return found["version"], sha256_bytes(data)
+    return None
 
 
 def rollback(store: Store, *, version: str, by: str, name: str = "mars", stage: str = STAGING, log=print) -> dict:
