@@ -394,6 +394,21 @@ def test_launch_command_for_n_processes_and_none_inside_a_launched_process():
         LaunchConfig(num_processes=2, config_file="nope.yaml")
 
 
+def test_an_sft_stage_left_out_makes_the_base_the_sft_checkpoint(init_dir, tmp_path):
+    """train.sft.enabled: false (an instruction-tuned base): 0 steps, the base's weights, an AR config.mars."""
+    cfg = config(sft={"max_steps": 12, "enabled": False})
+    result = train(cfg, stage="sft", init=init_dir, examples=copy_examples(16), out=tmp_path / "sft",
+                   metrics_path=tmp_path / "sft.tsv", progress=False)
+    assert result.steps == 0 and (tmp_path / "sft" / "steps").is_dir()
+    base, final = load_file(init_dir / "model.safetensors"), load_file(tmp_path / "sft" / "final" / "model.safetensors")
+    assert sorted(base) == sorted(final) and all(torch.equal(base[k], final[k]) for k in base)
+    mars = json.loads((tmp_path / "sft" / "final" / "config.json").read_text())["mars"]
+    assert mars["objective"] == "ar" and mars["stage"] == "sft" and mars["block_size"] == 4
+    assert rows(tmp_path / "sft.tsv") == []  # the header only
+    with pytest.raises(ConfigError, match=r"train\.mars\.enabled: only the sft stage can be left out"):
+        config(mars={"max_steps": 12, "enabled": False})
+
+
 def test_resume_refuses_a_checkpoint_holding_a_crafted_pickle(init_dir, tmp_path):
     """A pickle that runs code when loaded, planted in a step checkpoint: refused, and it never runs."""
     data = copy_examples(32)
