@@ -348,11 +348,13 @@ def test_full_queue_answers_429_with_retry_after_and_api_key_is_required(release
         tight.stop()
 
 
-def test_hot_swap_under_load_loses_no_request_and_a_bad_release_keeps_the_old(release, tmp_path):
-    live = Running(release, tmp_path / "cache", poll=3600, max_batch=4, max_queue=64)  # polled by hand below
+def test_hot_swap_under_load_loses_no_request_and_a_bad_release_keeps_the_old(tmp_path):
+    store = {"store": str(tmp_path / "store")}  # its own store: this test moves prod
+    publish(tmp_path / "v1", store["store"], seed=0)
+    live = Running(store, tmp_path / "cache", poll=3600, max_batch=4, max_queue=64)  # polled by hand below
     try:
         watch = live.built.watch
-        publish(tmp_path / "v2", release["store"], seed=1)
+        publish(tmp_path / "v2", store["store"], seed=1)
         with ThreadPoolExecutor(12) as pool:
             load = [pool.submit(chat, live, PROMPTS[i % 4], temperature=0, max_tokens=40, tau=0.7) for i in range(24)]
             time.sleep(0.2)
@@ -368,7 +370,7 @@ def test_hot_swap_under_load_loses_no_request_and_a_bad_release_keeps_the_old(re
         assert {o.system_fingerprint for o in outs[24:]} == {"v2"}
         assert httpx.get(live.url + "/health").json()["version"] == "v2"
 
-        publish(tmp_path / "v3", release["store"], seed=2, broken=True)
+        publish(tmp_path / "v3", store["store"], seed=2, broken=True)
         assert not watch.check() and "v3" in watch.last_error
         assert httpx.get(live.url + "/health").json()["version"] == "v2"
         assert chat(live, PROMPTS[0], temperature=0, max_tokens=10, tau=1.0).system_fingerprint == "v2"

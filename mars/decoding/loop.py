@@ -319,6 +319,12 @@ class CachedBatch:
         return len(self.rows) - len(self.free)
 
     @property
+    def live(self) -> list[DecodeRow]:
+        """The rows the next step decodes."""
+        free = set(self.free)
+        return [r for k, r in enumerate(self.rows) if k not in free]
+
+    @property
     def grows(self) -> bool:
         """Whether rows can join a running batch (token-level cache and a backend with reset/extend)."""
         return self.b_cache is None and callable(getattr(self.backend, "reset", None))

@@ -257,7 +257,8 @@ async def _sse(handle, text: TextStream, meta: dict, chat: bool, prompt_tokens: 
                     yield chunk(rest)
                 yield chunk(None, item.finish_reason)
                 if include_usage:
-                    yield (f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage(prompt_tokens, len(item.token_ids), item.forwards, item.taus)})}\n\n")
+                    counts = usage(prompt_tokens, len(item.token_ids), item.forwards, item.taus)
+                    yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': counts})}\n\n"
             else:
                 delta = text.push(item)
                 if delta:

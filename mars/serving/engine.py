@@ -167,11 +167,11 @@ class Engine:
     def _step(self, joining: list[DecodeRow]) -> None:
         batch, b_size = self.batch, self.model.block_size or 1
         batch.add(joining)
-        policy_rows = [r for r in batch.rows if r is not None and r.key and not r.lossless]
+        live = batch.live
+        policy_rows = [r for r in live if r.key and not r.lossless]
         if policy_rows:
-            fixed = [r.tau for r in batch.rows if r is not None and not r.key and not r.lossless]
-            tau = self.policy.choose(fixed, len(policy_rows), b_size,
-                                     masks=any(r is not None and r.lossless for r in batch.rows))
+            fixed = [r.tau for r in live if not r.key and not r.lossless]
+            tau = self.policy.choose(fixed, len(policy_rows), b_size, masks=any(r.lossless for r in live))
             for r in policy_rows:
                 r.tau = tau
         rows = len(batch)

@@ -106,7 +106,8 @@ def load_release(release_dir: str | Path, *, backend: str = "torch", device: str
     tau = _check_tau(manifest.get("tau", 1.0), f"{where}: tau")
     floor = _check_tau(manifest.get("tau_floor", tau), f"{where}: tau_floor")
     if backend == "onnx" and "onnx" not in manifest.get("engines", {}):
-        raise ServeError(f"{where}: release {manifest.get('version')} has no ONNX export; serve it with --backend torch")
+        raise ServeError(f"{where}: release {manifest.get('version')} has no ONNX export; "
+                         "serve it with --backend torch")
     return load_checkpoint(release_dir / "checkpoint", name=manifest["name"], backend=backend, default_tau=tau,
                            tau_floor=min(floor, tau), device=device, dtype=dtype, export_dir=release_dir / "export",
                            tokenizer_dir=release_dir / "tokenizer", version=manifest.get("version"), manifest=manifest)

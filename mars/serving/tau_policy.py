@@ -132,7 +132,8 @@ class AdaptiveTau:
             return self._use(tau)
         best = self.best(fixed_taus, policy_rows, block_size, masks)
         if best is None:  # measure before judging: the lowest unmeasured tau first (the widest window)
-            unknown = [t for t in self.candidates if self.predict(t, fixed_taus, policy_rows, block_size, masks) is None]
+            unknown = [t for t in self.candidates
+                       if self.predict(t, fixed_taus, policy_rows, block_size, masks) is None]
             return self._explore(min(unknown))
         if self.decisions % self.explore_every == 0:
             return self._explore(min(self.candidates, key=lambda t: self.last_seen.get(t, -1)))
