@@ -392,6 +392,15 @@ def test_adaptive_policy_lowers_tau_only_while_the_wide_window_pays():
     assert set(cheap.candidates) == {0.5, 0.75, 0.9, 1.0}
 
 
+def test_an_unmeasured_step_cost_is_scaled_from_the_nearest_measured_widths():
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.5))
+    policy.observe(4, 1, 0.010, {})
+    policy.observe(4, B, 0.012, {})
+    policy.observe(16, 1, 0.020, {})
+    assert policy.step_cost(16, B) == pytest.approx(0.024)  # 16 rows at width 1, times the 4-row width ratio
+    assert policy.step_cost(8, B) == pytest.approx(0.012)  # no width-1 cost at 8 rows: the nearest at width B
+
+
 def test_adaptive_server_decodes_unnamed_taus_between_the_floor_and_one(release, tmp_path):
     adaptive = Running(release, tmp_path / "cache", tau_policy="adaptive", max_batch=8)
     try:

@@ -14,7 +14,7 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
 
 Unmeasured candidates are tried first (each for a few steps), and every ``explore_every``-th decision
 re-measures the candidate measured longest ago, so the estimates follow the load. A step cost not yet
-measured at this batch size is read from the nearest batch size measured at that width.
+measured at this batch size is estimated from the nearest batch sizes measured (:meth:`AdaptiveTau.step_cost`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class AdaptiveTau:
 
     name = "adaptive"
 
-    def __init__(self, taus: TauRange, *, alpha: float = 0.2, explore_steps: int = 4, explore_every: int = 50,
+    def __init__(self, taus: TauRange, *, alpha: float = 0.2, explore_steps: int = 3, explore_every: int = 150,
                  candidates: Sequence[float] | None = None):
         self.taus = taus
         self.candidates = sorted(candidates) if candidates else taus.candidates()
@@ -97,8 +97,16 @@ class AdaptiveTau:
                 self.samples[tau] = self.samples.get(tau, 0) + rows
 
     def step_cost(self, batch: int, width: int) -> float | None:
+        """The measured cost, else this batch size's cost at another width scaled by the two widths' ratio
+        at the nearest batch size where both were measured, else the nearest batch size's at this width."""
         if (batch, width) in self.cost:
             return self.cost[(batch, width)]
+        for (b, w), seconds in self.cost.items():
+            if b == batch:
+                both = [(abs(b2 - batch), b2) for b2, w2 in self.cost if w2 == width and (b2, w) in self.cost]
+                if both:
+                    near = min(both)[1]
+                    return seconds * self.cost[(near, width)] / self.cost[(near, w)]
         near = [(abs(b - batch), b) for b, w in self.cost if w == width]
         return self.cost[(min(near)[1], width)] if near else None
 

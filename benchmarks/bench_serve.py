@@ -1,0 +1,209 @@
+"""Load benchmark of `mars serve`: tau = 1.0 fixed, a fixed tau < 1 and the adaptive policy, side by side.
+
+For each policy it starts `mars serve --model DIR` on 127.0.0.1 (a subprocess on a free port: the load
+generator does not share the server's interpreter), warms it up, then runs a bounded load at each level
+(a fixed number of concurrent streams, each sending its share of a fixed number of requests, then it
+stops) and a bursty trace that moves between levels. Requests are the held-out prompts of the prepared
+data (token ids through /v1/completions, greedy, streamed), so each run also gives the held-out score of
+what that policy generated. Printed per level: generated tokens/s, requests/s, latency and
+time-to-first-token percentiles (p50/p95/p99), tokens/forward and the score; then the adaptive policy
+against the best fixed tau and against tau = 1.0.
+
+    python benchmarks/bench_serve.py --model checkpoints/mars/final --data data/prepared
+    python benchmarks/bench_serve.py --model DIR --data DIR --levels 1,4,16 --per-stream 6 --fixed-tau 0.9 \
+        --tau-floor 0.7 --bursty 1:6,16:48,4:12,16:48,1:6 --json bench_serve.json
+
+Loopback only: it binds and connects to 127.0.0.1 and nothing else. Wall-clock numbers are only as
+good as the machine is quiet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`mars serve --model DIR` in a subprocess on 127.0.0.1."""
+
+    def __init__(self, model: str, *, policy: str, tau: float, floor: float, max_batch: int, dtype: str,
+                 threads: int | None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        if threads:
+            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mars.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port",
+             str(self.port), "--tau-policy", policy, "--tau", str(tau), "--tau-floor", str(floor), "--max-batch",
+             str(max_batch), "--max-queue", "100000", "--dtype", dtype, "--log-level", "warning"],
+            env=env, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"mars serve did not start: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        self.model = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def one_request(client: httpx.AsyncClient, server: Server, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, text, usage = None, [], None
+    async with client.stream("POST", server.url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", []):
+                if choice.get("text"):
+                    first = first or time.perf_counter()
+                    text.append(choice["text"])
+    end = time.perf_counter()
+    return {"latency": end - start, "ttft": (first or end) - start, "text": "".join(text),
+            "tokens": usage["completion_tokens"], "forwards": usage["forwards"]}
+
+
+async def run_phase(server: Server, items: list[dict], start: int, streams: int, requests: int,
+                    max_tokens: int) -> list[dict]:
+    """``requests`` requests over ``streams`` concurrent streams (each sends its share back to back)."""
+    queue = list(range(start, start + requests))
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def stream():
+            while queue:
+                i = queue.pop(0)
+                item = items[i % len(items)]
+                result = await one_request(client, server, item["prompt"], max_tokens)
+                results.append({**result, "item": i % len(items)})
+
+        await asyncio.gather(*(stream() for _ in range(streams)))
+    return results
+
+
+def summarize(results: list[dict], seconds: float, items: list[dict]) -> dict:
+    from mars.training import suite
+
+    def pct(values, q):
+        values = sorted(values)
+        return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+    tokens = sum(r["tokens"] for r in results)
+    forwards = sum(r["forwards"] for r in results)
+    lat, ttft = [r["latency"] for r in results], [r["ttft"] for r in results]
+    scores = [suite.score(items[r["item"]]["family"], r["text"], items[r["item"]]["reference"]) for r in results]
+    return {"requests": len(results), "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "requests_per_s": len(results) / seconds,
+            **{f"latency_p{q}": pct(lat, q) for q in (50, 95, 99)},
+            **{f"ttft_p{q}": pct(ttft, q) for q in (50, 95, 99)},
+            "tokens_per_forward": tokens / forwards if forwards else 0.0, "score": statistics.fmean(scores)}
+
+
+def held_out(data_dir: str, n: int) -> list[dict]:
+    from mars.training import data
+
+    rows = data.load_split(data_dir, "heldout")
+    rows = sorted(rows, key=lambda r: r["id"])[:n] if n else rows
+    return [{"prompt": list(r["input_ids"][: r["prompt_len"]]), "reference": r["response"], "family": r["family"]}
+            for r in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="MARS checkpoint directory")
+    parser.add_argument("--data", required=True, help="prepared data directory (its held-out split: prompts, score)")
+    parser.add_argument("--items", type=int, default=0, help="held-out items to cycle through (0: all)")
+    parser.add_argument("--levels", default="1,4,16", help="concurrent streams per steady level")
+    parser.add_argument("--per-stream", type=int, default=6, help="requests per stream at each steady level")
+    parser.add_argument("--bursty", default="1:6,16:48,4:12,16:48,1:6",
+                        help="the bursty trace: STREAMS:REQUESTS phases run back to back ('' to skip)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--fixed-tau", type=float, default=0.9, help="the fixed tau < 1 compared")
+    parser.add_argument("--tau-floor", type=float, help="the adaptive policy's floor (default: --fixed-tau)")
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=16, help="requests at 4 streams before measuring")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, help="torch threads of the server (OMP_NUM_THREADS)")
+    parser.add_argument("--json", help="write every number here too")
+    args = parser.parse_args(argv)
+    items = held_out(args.data, args.items)
+    floor = args.tau_floor if args.tau_floor is not None else args.fixed_tau
+    policies = [("tau=1.0 fixed", "fixed", 1.0, 1.0), (f"tau={args.fixed_tau:g} fixed", "fixed", args.fixed_tau,
+                                                        args.fixed_tau),
+                ("adaptive", "adaptive", args.fixed_tau, floor)]
+    levels = [(f"{s} stream{'s' if s > 1 else ''}", [(s, s * args.per_stream)])
+              for s in (int(x) for x in args.levels.split(","))]
+    if args.bursty:
+        trace = [tuple(int(v) for v in phase.split(":")) for phase in args.bursty.split(",")]
+        levels.append((f"bursty {args.bursty}", trace))
+    table: dict[str, dict[str, dict]] = {name: {} for name, _ in levels}
+    for label, policy, tau, tau_floor in policies:
+        server = Server(args.model, policy=policy, tau=tau, floor=tau_floor, max_batch=args.max_batch,
+                        dtype=args.dtype, threads=args.threads)
+        try:
+            asyncio.run(run_phase(server, items, 0, 4, args.warmup, args.max_tokens))
+            for name, phases in levels:
+                started, results, offset = time.perf_counter(), [], 0
+                for streams, requests in phases:
+                    results += asyncio.run(run_phase(server, items, offset, streams, requests, args.max_tokens))
+                    offset += requests
+                table[name][label] = summarize(results, time.perf_counter() - started, items)
+                print(f"  {label:>14} {name}: {table[name][label]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+        finally:
+            server.close()
+
+    head = (f"{'level':<28} {'policy':<15} {'tok/s':>8} {'req/s':>7} {'lat p50':>8} {'p95':>7} {'p99':>7} "
+            f"{'ttft p50':>9} {'p95':>7} {'p99':>7} {'tok/fwd':>8} {'score':>6}")
+    print(f"model {args.model}, {len(items)} held-out items, max_tokens {args.max_tokens}, max_batch {args.max_batch}, "
+          f"adaptive floor {floor:g}")
+    print(head)
+    for name, row in table.items():
+        for k, (label, s) in enumerate(row.items()):
+            print(f"{name if k == 0 else '':<28} {label:<15} {s['tokens_per_s']:>8.1f} {s['requests_per_s']:>7.2f} "
+                  f"{s['latency_p50']:>8.3f} {s['latency_p95']:>7.3f} {s['latency_p99']:>7.3f} {s['ttft_p50']:>9.3f} "
+                  f"{s['ttft_p95']:>7.3f} {s['ttft_p99']:>7.3f} {s['tokens_per_forward']:>8.2f} {s['score']:>6.3f}")
+        fixed = [s["tokens_per_s"] for label, s in row.items() if label != "adaptive"]
+        adaptive = row["adaptive"]["tokens_per_s"]
+        print(f"{'':<28} adaptive / best fixed {adaptive / max(fixed):.3f}x, / tau=1.0 {adaptive / fixed[0]:.3f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "table": table}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
