@@ -153,6 +153,7 @@ def _params(tmp_path: Path, cfg: dict) -> Path:
     return path
 
 
+@pytest.mark.slow  # two full runs of 240 prompts and a subprocess
 def test_a_killed_run_resumes_with_no_row_lost_or_repeated(base, tmp_path):
     """SIGKILL the real command once its first shard is on disk; the rerun decodes only the missing
     shards, and the result is the uninterrupted run's, row for row."""
