@@ -1,7 +1,8 @@
 """Load benchmark of `mars serve`: tau = 1.0 fixed, a fixed tau < 1 and the adaptive policy, side by side.
 
 For each policy it starts `mars serve --model DIR` on 127.0.0.1 (a subprocess on a free port: the load
-generator does not share the server's interpreter), warms it up, then runs a bounded load at each level
+generator does not share the server's interpreter) and warms it up; then at each level, the policies in
+turn, it runs a bounded load
 (a fixed number of concurrent streams, each sending its share of a fixed number of requests, then it
 stops) and a bursty trace that moves between levels. Requests are the held-out prompts of the prepared
 data (token ids through /v1/completions, greedy, streamed), so each run also gives the held-out score of
@@ -137,8 +138,13 @@ def summarize(results: list[dict], seconds: float, items: list[dict]) -> dict:
 def held_out(data_dir: str, n: int) -> list[dict]:
     from mars.training import data
 
-    rows = data.load_split(data_dir, "heldout")
-    rows = sorted(rows, key=lambda r: r["id"])[:n] if n else rows
+    by_family: dict[str, list[dict]] = {}
+    for row in sorted(data.load_split(data_dir, "heldout"), key=lambda r: r["id"]):
+        by_family.setdefault(row["family"], []).append(row)
+    # round robin over the families: every phase's requests mix them, as the heldout benchmark's sample does
+    rows = [group[i] for i in range(max(map(len, by_family.values()))) for group in by_family.values()
+            if i < len(group)]
+    rows = rows[:n] if n else rows
     return [{"prompt": list(r["input_ids"][: r["prompt_len"]]), "reference": r["response"], "family": r["family"]}
             for r in rows]
 
@@ -172,19 +178,24 @@ def main(argv: list[str] | None = None) -> int:
         trace = [tuple(int(v) for v in phase.split(":")) for phase in args.bursty.split(",")]
         levels.append((f"bursty {args.bursty}", trace))
     table: dict[str, dict[str, dict]] = {name: {} for name, _ in levels}
-    for label, policy, tau, tau_floor in policies:
-        server = Server(args.model, policy=policy, tau=tau, floor=tau_floor, max_batch=args.max_batch,
-                        dtype=args.dtype, threads=args.threads)
-        try:
-            asyncio.run(run_phase(server, items, 0, 4, args.warmup, args.max_tokens))
-            for name, phases in levels:
+    # All servers up at once, the policies taking turns at each level: a neighbour's load on a shared
+    # machine then hits them alike rather than whichever ran at the time.
+    servers = []
+    try:
+        for label, policy, tau, tau_floor in policies:
+            servers.append((label, Server(args.model, policy=policy, tau=tau, floor=tau_floor,
+                                          max_batch=args.max_batch, dtype=args.dtype, threads=args.threads)))
+            asyncio.run(run_phase(servers[-1][1], items, 0, 4, args.warmup, args.max_tokens))
+        for name, phases in levels:
+            for label, server in servers:
                 started, results, offset = time.perf_counter(), [], 0
                 for streams, requests in phases:
                     results += asyncio.run(run_phase(server, items, offset, streams, requests, args.max_tokens))
                     offset += requests
                 table[name][label] = summarize(results, time.perf_counter() - started, items)
                 print(f"  {label:>14} {name}: {table[name][label]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
-        finally:
+    finally:
+        for _, server in servers:
             server.close()
 
     head = (f"{'level':<28} {'policy':<15} {'tok/s':>8} {'req/s':>7} {'lat p50':>8} {'p95':>7} {'p99':>7} "

@@ -392,7 +392,7 @@ def test_adaptive_policy_lowers_tau_only_while_the_wide_window_pays():
     assert set(cheap.candidates) == {0.5, 0.75, 0.9, 1.0}
 
 
-def test_an_unmeasured_step_cost_is_scaled_from_the_nearest_measured_widths():
+def test_an_unmeasured_step_cost_is_scaled_from_the_nearest_measured_windows():
     policy = AdaptiveTau(TauRange(default=0.9, floor=0.5))
     policy.observe(4, 1, 0.010, {})
     policy.observe(4, B, 0.012, {})
@@ -411,7 +411,7 @@ def test_adaptive_server_decodes_unnamed_taus_between_the_floor_and_one(release,
         assert all(0.5 - 1e-9 <= o.usage.tau <= 1.0 for o in outs)
         assert len({round(o.usage.tau, 6) for o in outs}) > 1  # the policy tried more than one tau
         text = httpx.get(adaptive.url + "/metrics").text
-        assert 'width="1"' in text and f'width="{B}"' in text  # it measured both windows
+        assert 'window="1"' in text and f'window="{B}"' in text  # it measured both windows
         assert 0.5 <= adaptive.metric("mars_tau_in_use") <= 1.0
     finally:
         adaptive.stop()

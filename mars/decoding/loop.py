@@ -309,8 +309,7 @@ class CachedBatch:
         self.slots = block_size  # slots read per step (block level: fixed with the rows)
         self.started = False
         self.model_calls = 0
-        self.last_width = 0  # the last step's window width and slots (the serving policy times them)
-        self.last_slots = 0
+        self.last_slots = 0  # slots the last step read per row (the serving policy times steps by it)
         self.trash = 0  # the last column of `seq` takes the rejected slots
         self._alloc(0)
 
@@ -465,7 +464,7 @@ class CachedBatch:
             stepping = torch.ones_like(u, dtype=torch.bool) if commit_now else u <= block
             width = max(block, int(need[stepping].max()))
             index = cached[:, None] + self.offsets[:width]
-        self.last_width, self.last_slots = width, slots
+        self.last_slots = slots
         # A row reads its last real token, each draft (lossless) and each mask; past them it re-reads
         # its last entry (unused), and a waiting row's reads stay inside the window.
         read_slot = torch.arange(slots + int(drafts.max()))

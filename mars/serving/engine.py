@@ -165,6 +165,9 @@ class Engine:
                 self.batch = self._new_batch()
 
     def _step(self, joining: list[DecodeRow]) -> None:
+        # The cost the policy weighs is the whole iteration (joining rows, the step, handing tokens out):
+        # on a small model the bookkeeping around a forward is a real share of it.
+        started = time.perf_counter()
         batch, b_size = self.batch, self.model.block_size or 1
         batch.add(joining)
         live = batch.live
@@ -175,20 +178,7 @@ class Engine:
             for r in policy_rows:
                 r.tau = tau
         rows = len(batch)
-        started = time.perf_counter()
         updates = batch.step()
-        seconds = time.perf_counter() - started
-        width = batch.last_width
-        accepted: dict[float, list[int]] = {}
-        for u in updates:
-            if not u.row.lossless:
-                entry = accepted.setdefault(u.row.tau, [0, 0])
-                entry[0], entry[1] = entry[0] + len(u.new_tokens), entry[1] + 1
-        decoding = width <= 2 * b_size  # wider: a prompt's prefill rides in this step
-        self.policy.observe(rows, width, seconds if decoding else None, {t: tuple(v) for t, v in accepted.items()})
-        if self.metrics is not None:
-            self.metrics.step(rows, width, seconds, decoding, sum(len(u.new_tokens) for u in updates),
-                              self.policy, self.queue_depth)
         for u in updates:
             handle = self.handles.pop(id(u.row), None) if u.done else self.handles.get(id(u.row))
             if handle is None:  # failed by close(drain=False) meanwhile
@@ -198,6 +188,17 @@ class Engine:
                 handle.push(u.new_tokens)
             if u.done:
                 handle.push(Finished(u.token_ids, u.forwards, "stop" if u.stopped else "length", handle.taus))
+        seconds, slots = time.perf_counter() - started, batch.last_slots
+        accepted: dict[float, list[int]] = {}
+        for u in updates:
+            if not u.row.lossless:
+                entry = accepted.setdefault(u.row.tau, [0, 0])
+                entry[0], entry[1] = entry[0] + len(u.new_tokens), entry[1] + 1
+        decoding = not joining  # a joining row's first window is its whole prompt: not a decoding step's cost
+        self.policy.observe(rows, slots, seconds if decoding else None, {t: tuple(v) for t, v in accepted.items()})
+        if self.metrics is not None:
+            self.metrics.step(rows, slots, seconds, decoding, sum(len(u.new_tokens) for u in updates),
+                              self.policy, self.queue_depth)
 
     def _fail_all(self, error: Exception, waiting: bool = True) -> None:
         for handle in self.handles.values():

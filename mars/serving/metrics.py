@@ -2,8 +2,8 @@
 
 What an operator (and the HorizontalPodAutoscaler, through the Prometheus adapter) reads:
 ``mars_queue_depth`` (requests waiting for a batch row), ``mars_running_requests``, ``mars_tau_in_use``
-(the policy's current tau), ``mars_step_cost_seconds{batch, width}`` (the measured decoding-step cost
-the adaptive policy decides on), ``mars_tokens_per_forward{tau}``, counters of requests by status,
+(the policy's current tau), ``mars_step_cost_seconds{batch, window}`` (the measured decoding-step cost
+the adaptive policy decides on; window: the slots read per row, 1 or B), ``mars_tokens_per_forward{tau}``, counters of requests by status,
 generated tokens and decoding steps, a step-time histogram, and ``mars_release_info`` (which release
 serves new requests).
 """
@@ -21,7 +21,7 @@ class ServerMetrics:
         self.tau = Gauge("mars_tau_in_use", "the tau policy's current tau (rows that named no tau)",
                          registry=registry)
         self.step_cost = Gauge("mars_step_cost_seconds", "measured seconds per decoding step (moving average)",
-                               ["batch", "width"], registry=registry)
+                               ["batch", "window"], registry=registry)
         self.tokens_per_forward = Gauge("mars_tokens_per_forward", "measured tokens per row and forward at a tau",
                                         ["tau"], registry=registry)
         self.requests = Counter("mars_requests", "finished HTTP generation requests", ["status"], registry=registry)
@@ -34,18 +34,18 @@ class ServerMetrics:
         self.swap_failures = Counter("mars_release_load_failures", "releases that failed to load (the old kept "
                                      "serving)", registry=registry)
 
-    def step(self, rows: int, width: int, seconds: float, decoding: bool, tokens: int, policy, queue_depth: int):
-        """After each engine step (the engine thread)."""
+    def step(self, rows: int, slots: int, seconds: float, decoding: bool, tokens: int, policy, queue_depth: int):
+        """After each engine iteration (the engine thread)."""
         self.steps.inc()
         self.tokens.inc(tokens)
         self.step_seconds.observe(seconds)
         self.queue_depth.set(queue_depth)
         self.tau.set(policy.tau)
         snap = getattr(policy, "cost", None)
-        if decoding and snap is not None and (rows, width) in snap:
-            self.step_cost.labels(str(rows), str(width)).set(snap[(rows, width)])
+        if decoding and snap is not None and (rows, slots) in snap:
+            self.step_cost.labels(str(rows), str(slots)).set(snap[(rows, slots)])
         elif decoding:
-            self.step_cost.labels(str(rows), str(width)).set(seconds)
+            self.step_cost.labels(str(rows), str(slots)).set(seconds)
         for tau, value in getattr(policy, "tpf", {}).items():
             self.tokens_per_forward.labels(f"{tau:g}").set(value)
 

@@ -4,13 +4,15 @@ Lower tau only pays while a wider window costs little: a tau < 1 step forwards B
 of one, and on a CPU that costs 1.1x-1.8x more per step depending on the batch (FACTS.md), so "lower
 tau as the queue grows" alone can lose throughput at peak. The adaptive policy is goodput-driven:
 
-* it measures online the cost of a step per (batch size, window width) (:meth:`observe`, an
-  exponential average of the seconds per step), and the tokens each tau yields per row and forward;
+* it measures online the cost of a decoding step per (batch size, window) (:meth:`observe`, the
+  median of the last ``cost_samples`` seconds per engine iteration: robust to a neighbour's burst on
+  a shared CPU), where the window is the slots read per row:
+  1 when every row decodes at tau = 1, B when some row reads masks (its window then holds the tokens
+  accepted last step + B-1 masks); and the tokens each tau yields per row and forward;
 * before each step it picks, among candidate taus between the floor (the lowest tau the release's gate
   accepted) and the ceiling (the gate's lossless tau, 1.0), the one that maximises the predicted
   generated tokens per second of the whole batch: sum over rows of tokens/forward at the row's tau,
-  divided by the step cost at the batch size and the window that tau needs (B slots when any row reads
-  masks, else 1). Rows that named their tau keep it; they count in the prediction as they are.
+  divided by the step cost at the batch size and the window that tau needs. Rows that named their tau keep it; they count in the prediction as they are.
 
 Unmeasured candidates are tried first (each for a few steps), and every ``explore_every``-th decision
 re-measures the candidate measured longest ago, so the estimates follow the load. A step cost not yet
@@ -19,6 +21,8 @@ measured at this batch size is estimated from the nearest batch sizes measured (
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -55,7 +59,7 @@ class FixedTau:
                masks: bool = False) -> float:
         return self.tau
 
-    def observe(self, batch: int, width: int, seconds: float | None, accepted: dict[float, tuple[int, int]]) -> None:
+    def observe(self, batch: int, slots: int, seconds: float | None, accepted: dict[float, tuple[int, int]]) -> None:
         pass
 
     def snapshot(self) -> dict:
@@ -67,48 +71,49 @@ class AdaptiveTau:
 
     name = "adaptive"
 
-    def __init__(self, taus: TauRange, *, alpha: float = 0.2, explore_steps: int = 3, explore_every: int = 150,
-                 candidates: Sequence[float] | None = None):
+    def __init__(self, taus: TauRange, *, alpha: float = 0.2, cost_samples: int = 15, explore_steps: int = 3,
+                 explore_every: int = 150, candidates: Sequence[float] | None = None):
         self.taus = taus
         self.candidates = sorted(candidates) if candidates else taus.candidates()
-        self.alpha, self.explore_steps, self.explore_every = alpha, explore_steps, explore_every
-        self.cost: dict[tuple[int, int], float] = {}  # (batch, width) -> seconds per step
+        self.alpha, self.cost_samples = alpha, cost_samples  # alpha: the tokens/forward moving average's rate
+        self.explore_steps, self.explore_every = explore_steps, explore_every
+        self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
+        self._recent: dict[tuple[int, int], deque] = {}
         self.tpf: dict[float, float] = {1.0: 1.0}  # tau -> tokens per row and forward (tau = 1: exactly 1)
-        self.samples: dict[float, int] = {}  # row-steps measured per tau
         self.last_seen: dict[float, int] = {}  # decision count when each candidate last ran
         self.decisions = 0
         self.tau = taus.default
         self._exploring: tuple[float, int] | None = None  # (tau, steps left)
 
     # -- measurements ------------------------------------------------------------------------------
-    def observe(self, batch: int, width: int, seconds: float | None, accepted: dict[float, tuple[int, int]]) -> None:
-        """One step of ``batch`` rows and window ``width`` took ``seconds`` (None: a prefill step, whose
-        cost is not a decoding step's); ``accepted[tau] = (tokens, rows)`` for the rows at each tau."""
+    def observe(self, batch: int, slots: int, seconds: float | None, accepted: dict[float, tuple[int, int]]) -> None:
+        """One iteration of ``batch`` rows reading ``slots`` slots each took ``seconds`` (None: a step with a
+        joining prompt, whose cost is not a decoding step's); ``accepted[tau] = (tokens, rows)`` for the rows
+        at each tau."""
         if seconds is not None:
-            key = (batch, width)
-            old = self.cost.get(key)
-            self.cost[key] = seconds if old is None else old + self.alpha * (seconds - old)
+            recent = self._recent.setdefault((batch, slots), deque(maxlen=self.cost_samples))
+            recent.append(seconds)
+            self.cost[(batch, slots)] = statistics.median(recent)
         for tau, (tokens, rows) in accepted.items():
             if rows and tau < 1.0 and tau in self.candidates:  # a request's own tau is not a candidate
                 old = self.tpf.get(tau)
                 value = tokens / rows
                 weight = min(1.0, rows * self.alpha / 4)  # a busy batch moves the average faster
                 self.tpf[tau] = value if old is None else old + weight * (value - old)
-                self.samples[tau] = self.samples.get(tau, 0) + rows
 
-    def step_cost(self, batch: int, width: int) -> float | None:
-        """The measured cost, else this batch size's cost at another width scaled by the two widths' ratio
-        at the nearest batch size where both were measured, else the nearest batch size's at this width."""
-        if (batch, width) in self.cost:
-            return self.cost[(batch, width)]
+    def step_cost(self, batch: int, slots: int) -> float | None:
+        """The measured cost, else this batch size's cost at the other window scaled by the two windows'
+        ratio at the nearest batch size where both were measured, else the nearest batch size's at this window."""
+        if (batch, slots) in self.cost:
+            return self.cost[(batch, slots)]
         for (b, w), seconds in self.cost.items():
             if b == batch:
-                both = [(abs(b2 - batch), b2) for b2, w2 in self.cost if w2 == width and (b2, w) in self.cost]
+                both = [(abs(b2 - batch), b2) for b2, w2 in self.cost if w2 == slots and (b2, w) in self.cost]
                 if both:
                     near = min(both)[1]
-                    return seconds * self.cost[(near, width)] / self.cost[(near, w)]
-        near = [(abs(b - batch), b) for b, w in self.cost if w == width]
-        return self.cost[(min(near)[1], width)] if near else None
+                    return seconds * self.cost[(near, slots)] / self.cost[(near, w)]
+        near = [(abs(b - batch), b) for b, w in self.cost if w == slots]
+        return self.cost[(min(near)[1], slots)] if near else None
 
     # -- decision ----------------------------------------------------------------------------------
     def predict(self, tau: float, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
@@ -117,8 +122,8 @@ class AdaptiveTau:
         other row reads masks anyway, a lossless one)."""
         if tau not in self.tpf:
             return None
-        width = block_size if block_size and (masks or tau < 1.0 or any(t < 1.0 for t in fixed_taus)) else 1
-        cost = self.step_cost(policy_rows + len(fixed_taus), width)
+        slots = block_size if block_size and (masks or tau < 1.0 or any(t < 1.0 for t in fixed_taus)) else 1
+        cost = self.step_cost(policy_rows + len(fixed_taus), slots)
         if not cost:
             return None
         return (policy_rows * self.tpf[tau] + sum(self._tpf_near(t) for t in fixed_taus)) / cost
