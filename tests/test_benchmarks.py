@@ -89,7 +89,8 @@ def test_evaluate_runs_the_heldout_suite_on_a_base_model(prepared, tmp_path):
     metrics = evaluate.run({"base": str(prepared / "base")}, cfg, data_dir=str(prepared / "data"),
                            out_dir=tmp_path / "eval", metrics_path=tmp_path / "eval.json", train_metrics_dir=None,
                            log=lambda *_: None)
-    assert set(metrics) == {"base/heldout/tau=1.0", "base/heldout/tau=0.9"}
+    # the tau sweep, plus the lossless point (evaluate.lossless is on by default)
+    assert set(metrics) == {"base/heldout/tau=1.0", "base/heldout/tau=0.9", "base/heldout/lossless"}
     assert all(e["n"] == 4 and 0 <= e["score"] <= 1 for e in metrics.values())
 
 
