@@ -348,6 +348,24 @@ def test_full_queue_answers_429_with_retry_after_and_api_key_is_required(release
         tight.stop()
 
 
+def test_a_stream_whose_client_goes_away_leaves_the_batch(release, tmp_path):
+    one = Running(release, tmp_path / "cache", max_batch=1)
+    try:
+        tokens_before = one.metric("mars_generated_tokens_total")
+        with httpx.stream("POST", one.url + "/v1/completions", timeout=30, json={
+                "model": NAME, "prompt": [5, 6, 7], "max_tokens": 240, "temperature": 0, "stream": True}) as r:
+            next(r.iter_lines())  # the first chunk, then the client hangs up
+        deadline = time.monotonic() + 10
+        while one.metric("mars_running_requests") > 0:  # the engine let go of it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        after = chat(one, "hi", temperature=0, max_tokens=5)  # the row is free for the next request
+        assert after.usage.completion_tokens == 5
+        assert one.metric("mars_generated_tokens_total") - tokens_before < 240
+    finally:
+        one.stop()
+
+
 def test_hot_swap_under_load_loses_no_request_and_a_bad_release_keeps_the_old(tmp_path):
     store = {"store": str(tmp_path / "store")}  # its own store: this test moves prod
     publish(tmp_path / "v1", store["store"], seed=0)

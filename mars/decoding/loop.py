@@ -252,7 +252,8 @@ class DecodeRow:
     token per slot from the slot logits ``[S, V]`` (:class:`mars.decoding.sampling.Sampler`);
     ``block_size`` (<= the batch's B; None: B) caps the tokens a step may accept (a lossless row's
     drafts + 1); ``stream`` rows report their accepted tokens after every step, the others only when
-    they finish. ``key`` is the caller's.
+    they finish. A row whose ``cancelled`` is set (any thread) leaves the batch before the next step,
+    with no update. ``key`` is the caller's.
     """
 
     prompt: Sequence[int]
@@ -264,6 +265,7 @@ class DecodeRow:
     stream: bool = False
     key: object = None
     block_size: int | None = None
+    cancelled: bool = False
 
     @property
     def needs_masks(self) -> bool:
@@ -315,13 +317,13 @@ class CachedBatch:
 
     def __len__(self) -> int:
         """Rows still decoding."""
-        return len(self.rows) - len(self.free)
+        return len(self.live)
 
     @property
     def live(self) -> list[DecodeRow]:
         """The rows the next step decodes."""
         free = set(self.free)
-        return [r for k, r in enumerate(self.rows) if k not in free]
+        return [r for k, r in enumerate(self.rows) if k not in free and not r.cancelled]
 
     @property
     def grows(self) -> bool:
@@ -414,10 +416,10 @@ class CachedBatch:
         self.started = True
 
     def _compact(self) -> None:
-        """Finished rows that were not refilled leave the batch."""
-        if not self.free:
+        """Finished rows that were not refilled, and cancelled rows, leave the batch."""
+        gone = set(self.free) | {k for k, r in enumerate(self.rows) if r.cancelled}
+        if not gone:
             return
-        gone = set(self.free)
         keep = torch.tensor([k for k in range(len(self.rows)) if k not in gone], dtype=torch.long)
         if keep.numel():
             self.backend.retain(self._put(keep))

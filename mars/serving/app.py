@@ -208,8 +208,8 @@ def create_app(serving: Serving) -> FastAPI:
                 "system_fingerprint": engine.model.version}
         text = TextStream(engine.model.tokenizer, gen.stop)
         if req.stream:
-            return StreamingResponse(_sse(handle, text, meta, chat, len(gen.prompt_ids), req.include_usage(),
-                                          serving.metrics), media_type="text/event-stream")
+            events = _sse(engine, handle, text, meta, chat, len(gen.prompt_ids), req.include_usage(), serving.metrics)
+            return StreamingResponse(events, media_type="text/event-stream")
         try:
             async for item in handle.events():
                 if not isinstance(item, Finished):
@@ -234,9 +234,10 @@ def create_app(serving: Serving) -> FastAPI:
     return app
 
 
-async def _sse(handle, text: TextStream, meta: dict, chat: bool, prompt_tokens: int, include_usage: bool, metrics):
+async def _sse(engine: Engine, handle, text: TextStream, meta: dict, chat: bool, prompt_tokens: int,
+               include_usage: bool, metrics):
     """Server-sent events as OpenAI streams them: chunks, a last chunk with the finish reason, the usage
-    chunk when asked for, then ``[DONE]``."""
+    chunk when asked for, then ``[DONE]``. A client that goes away cancels its request."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> str:
@@ -247,11 +248,13 @@ async def _sse(handle, text: TextStream, meta: dict, chat: bool, prompt_tokens: 
             choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
         return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
 
-    if chat:
-        yield chunk(None, role=True)
+    finished = False
     try:
+        if chat:
+            yield chunk(None, role=True)
         async for item in handle.events():
             if isinstance(item, Finished):
+                finished = True
                 rest = text.finish()
                 if rest:
                     yield chunk(rest)
@@ -265,6 +268,10 @@ async def _sse(handle, text: TextStream, meta: dict, chat: bool, prompt_tokens: 
                     yield chunk(delta)
         metrics.requests.labels("200").inc()
     except MarsError as err:
+        finished = True
         metrics.requests.labels("500").inc()
         yield f"data: {json.dumps(APIError(500, str(err), kind='server_error').body())}\n\n"
+    finally:
+        if not finished:  # the client disconnected (the generator is closed or cancelled mid-stream)
+            engine.cancel(handle)
     yield "data: [DONE]\n\n"

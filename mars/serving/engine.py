@@ -64,8 +64,8 @@ class RequestHandle:
     """A submitted request: the engine thread pushes token lists, then a :class:`Finished` or an
     exception, into an asyncio queue of the server's event loop."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
-        self.request, self.loop = request, loop
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, row: DecodeRow):
+        self.request, self.loop, self.row = request, loop, row
         self.queue: asyncio.Queue = asyncio.Queue()
         self.taus: list[float] = []
         self.submitted = time.perf_counter()
@@ -112,13 +112,13 @@ class Engine:
         return len(self.handles)
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> RequestHandle:
-        handle = RequestHandle(request, loop)
         sampler = None if request.sampling.greedy else Sampler(request.sampling)
         stops = StopStrings(self.model.tokenizer, list(request.stop)) or None
         tau = self.policy.tau if request.tau is None else request.tau
         row = DecodeRow(request.prompt_ids, request.max_tokens, tau, request.mode == "lossless", sampler, stops,
                         stream=True, key=request.tau is None,  # key: whether the policy sets its tau
                         block_size=request.block_size)
+        handle = RequestHandle(request, loop, row)
         with self.cv:
             if not self.accepting:
                 raise Closed(f"{self.model.name} {self.model.version or ''}: not taking requests (shutting down)")
@@ -127,6 +127,17 @@ class Engine:
             self.waiting.append((row, handle))
             self.cv.notify()
         return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Drop a request nobody waits for any more (its client went away): out of the queue, or out of
+        the batch before the next step."""
+        with self.cv:
+            for i, (_, waiting) in enumerate(self.waiting):
+                if waiting is handle:
+                    del self.waiting[i]
+                    return
+            if self.handles.pop(id(handle.row), None) is not None:
+                handle.row.cancelled = True
 
     def close(self, drain: bool = True, timeout: float | None = None) -> bool:
         """Take no new requests; with ``drain`` finish the taken ones (else fail them). True when the

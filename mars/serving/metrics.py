@@ -3,9 +3,9 @@
 What an operator (and the HorizontalPodAutoscaler, through the Prometheus adapter) reads:
 ``mars_queue_depth`` (requests waiting for a batch row), ``mars_running_requests``, ``mars_tau_in_use``
 (the policy's current tau), ``mars_step_cost_seconds{batch, window}`` (the measured decoding-step cost
-the adaptive policy decides on; window: the slots read per row, 1 or B), ``mars_tokens_per_forward{tau}``, counters of requests by status,
-generated tokens and decoding steps, a step-time histogram, and ``mars_release_info`` (which release
-serves new requests).
+the adaptive policy decides on; window: the slots read per row, 1 or B), ``mars_tokens_per_forward{tau}``,
+counters of requests by status, generated tokens and decoding steps, a step-time histogram, and
+``mars_release_info`` (which release serves new requests).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
 * before each step it picks, among candidate taus between the floor (the lowest tau the release's gate
   accepted) and the ceiling (the gate's lossless tau, 1.0), the one that maximises the predicted
   generated tokens per second of the whole batch: sum over rows of tokens/forward at the row's tau,
-  divided by the step cost at the batch size and the window that tau needs. Rows that named their tau keep it; they count in the prediction as they are.
+  divided by the step cost at the batch size and the window that tau needs. Rows that named their tau
+  keep it; they count in the prediction as they are.
 
 Unmeasured candidates are tried first (each for a few steps), and every ``explore_every``-th decision
 re-measures the candidate measured longest ago, so the estimates follow the load. A step cost not yet
