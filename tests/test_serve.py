@@ -115,8 +115,9 @@ def free_port() -> int:
 class Running:
     """`mars serve --release mars --stage prod` in a thread of this process (uvicorn on a free port)."""
 
-    def __init__(self, release, cache: Path, *, api_key: str | None = None, poll: float = 0.0, **cfg):
-        self.cfg = ServeConfig(port=free_port(), poll_seconds=poll, drain_seconds=30, **cfg)
+    def __init__(self, release, cache: Path, *, api_key: str | None = None, poll: float = 0.0, drain: float = 30,
+                 **cfg):
+        self.cfg = ServeConfig(port=free_port(), poll_seconds=poll, drain_seconds=drain, **cfg)
         self.built = build(self.cfg, release=NAME, stage="prod", store=open_store(release["store"]), cache=cache,
                            api_key=api_key)
         self.server = make_server(self.built, self.cfg, log_level="warning")
@@ -465,6 +466,35 @@ def test_the_onnx_backend_serves_the_release_export(tmp_path):
                                                               max_new_tokens=16)[0].text
     finally:
         onnx.stop()
+
+
+@pytest.mark.parametrize("drain, finished", [(30, True), (0, False)])
+def test_an_exit_signal_drains_or_past_the_drain_time_cancels(release, tmp_path, drain, finished):
+    """What SIGTERM runs (uvicorn's handler, called here in-process; the subprocess test sends the signal):
+    new requests get 503 at once; taken ones finish within --drain-seconds, or are cancelled with a 503."""
+    one = Running(release, tmp_path / "cache", max_batch=1, drain=drain)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            taken = [pool.submit(one.post, "/v1/completions", {"model": NAME, "prompt": [5, 6, 7 + i],
+                                                                "max_tokens": 200, "temperature": 0})
+                     for i in range(3)]
+            while one.metric("mars_queue_depth") < 2:
+                time.sleep(0.01)
+            one.server.handle_exit(signal.SIGTERM, None)
+            if finished:  # (with no drain time the server may be gone before a late request gets there)
+                late = one.post("/v1/completions", {"model": NAME, "prompt": [5], "max_tokens": 2})
+                assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+                assert httpx.get(one.url + "/health").status_code == 503
+            answers = [t.result() for t in taken]
+        if finished:
+            assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+            assert [a.json()["usage"]["completion_tokens"] for a in answers] == [200] * 3
+        else:
+            assert 503 in [a.status_code for a in answers]
+        one.thread.join(30)
+        assert not one.thread.is_alive()  # and then the server exits
+    finally:
+        one.stop()
 
 
 @pytest.mark.slow

@@ -86,9 +86,15 @@ class Serving:
         return sum(e.running for e in self.engines())
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Answer new requests 503, finish the taken ones; True when all finished within ``timeout``."""
+        """Answer new requests 503, finish the taken ones; True when all finished within ``timeout``, else
+        the unfinished ones are cancelled (their clients get a 503 error)."""
         self.draining = True
-        return all([e.close(drain=True, timeout=timeout) for e in self.engines()])
+        engines = self.engines()
+        done = [e.close(drain=True, timeout=timeout) for e in engines]
+        for engine, finished in zip(engines, done):
+            if not finished:
+                engine.close(drain=False, timeout=5)
+        return all(done)
 
 
 def _prompt_ids(req, engine: Engine) -> tuple[list[int], str]:
@@ -214,6 +220,8 @@ def create_app(serving: Serving) -> FastAPI:
             async for item in handle.events():
                 if not isinstance(item, Finished):
                     text.push(item)
+        except Closed as err:
+            raise APIError(503, str(err), kind="server_error", code="shutting_down") from None
         except MarsError as err:
             raise APIError(500, str(err), kind="server_error") from None
         content = text.text()
