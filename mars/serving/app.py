@@ -106,7 +106,10 @@ def _prompt_ids(req, engine: Engine) -> tuple[list[int], str]:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         except ValueError as err:
             raise APIError(400, f"messages: {err}", "messages") from None
-        return encode_prompts(tokenizer, [messages])[0], "messages"
+        try:
+            return encode_prompts(tokenizer, [messages])[0], "messages"
+        except MarsError as err:
+            raise APIError(400, f"messages: {err}", "messages") from None
     prompt = req.single_prompt()
     if isinstance(prompt, str):
         return [int(t) for t in tokenizer(prompt)["input_ids"]], "prompt"
@@ -219,7 +222,7 @@ def create_app(serving: Serving) -> FastAPI:
         try:
             async for item in handle.events():
                 if not isinstance(item, Finished):
-                    text.push(item)
+                    text.token_ids.extend(item)  # decoded once, below
         except Closed as err:
             raise APIError(503, str(err), kind="server_error", code="shutting_down") from None
         except MarsError as err:

@@ -151,10 +151,6 @@ class Engine:
         self.thread.join(timeout)
         return not self.thread.is_alive()
 
-    def idle(self) -> bool:
-        with self.cv:
-            return not self.waiting and not self.handles
-
     # -- the stepping thread --------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
