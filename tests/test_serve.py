@@ -315,6 +315,34 @@ def test_sampling_at_tau_one_follows_the_ar_distribution(release):
     check(prompt + [first], [s[1] for s in samples if s[0] == first])
 
 
+def test_rows_joining_a_running_batch_decode_as_they_would_alone():
+    """The step core under the server: rows join at any step (into finished rows' places or appended),
+    each with its own tau or mode, and get the tokens generate() gives them alone."""
+    model = tiny_model("llama", seed=5, vocab=96)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60)
+    model.config.mars = {"block_size": B, "mask_token_id": 95}
+    model.generation_config.eos_token_id = 63
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4)]
+    settings = [(1.0, False), (0.5, False), (0.9, True), (0.3, False), (0.7, False), (1.0, True)]
+    rooms = [2, 30, 20, 25, 12, 18]  # row 0 is done after step 1: the first row joining at step 2 takes its place
+    rows = [DecodeRow(p, r, tau, lossless, key=i) for i, (p, r, (tau, lossless)) in
+            enumerate(zip(prompts, rooms, settings))]
+    batch = CachedBatch(TorchBackend(model), block_size=B, stop_ids=torch.tensor([63]), mask_id=95)
+    out, step = {}, 0
+    batch.add(rows[:2])
+    while len(batch) or step < 8:
+        if step in (2, 4):  # mid-run: three rows, then one (a finished row's place, or appended)
+            batch.add(rows[2:5] if step == 2 else rows[5:])
+        out.update({u.row.key: u.token_ids for u in batch.step() if u.done})
+        step += 1
+    for i, (tau, lossless) in enumerate(settings):
+        alone = generate(model, None, [prompts[i]], tau=tau, mode="lossless" if lossless else "tau",
+                         max_new_tokens=rooms[i])[0]
+        assert out[i] == alone.token_ids, i
+
+
 def test_top_p_samples_only_inside_the_nucleus():
     logits = torch.tensor([[4.0, 3.0, 1.0, 0.0, -1.0]])
     probs = filtered_probs(logits, 1.0, 0.8)

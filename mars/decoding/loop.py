@@ -401,14 +401,13 @@ class CachedBatch:
             raise ValueError("rows join a running batch only with the token-level cache and a backend with reset")
         if old and not callable(getattr(self.backend, "extend", None)):
             raise ValueError("rows join a running batch beyond its finished ones only with a backend with extend")
-        grown = CachedBatch.__new__(CachedBatch)  # the new rows' bookkeeping, appended below
-        grown.mask_id, grown.trash, grown.rows = self.mask_id, self.trash, [None] * len(rows)
-        CachedBatch._alloc(grown, len(rows))
-        for k, row in enumerate(rows):
-            CachedBatch._load(grown, k, row, prefilled=False)
-        for name in ("seq", "prompt_len", "length", "cached", "room_left", "forwards", "drafts"):
-            setattr(self, name, torch.cat([getattr(self, name), getattr(grown, name)]))
+        n = len(rows)
+        self.seq = torch.cat([self.seq, torch.full((n, self.trash + 1), self.mask_id, dtype=torch.long)])
+        for name in ("prompt_len", "length", "cached", "room_left", "forwards", "drafts"):
+            setattr(self, name, torch.cat([getattr(self, name), torch.zeros(n, dtype=torch.long)]))
         self.rows += rows
+        for k, row in enumerate(rows, start=old):
+            self._load(k, row, prefilled=False)
         if old:
             self.backend.extend(len(rows))
         else:
