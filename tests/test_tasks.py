@@ -64,3 +64,18 @@ def test_the_benchmark_takes_heldout_items_of_the_named_families_and_marks_the_p
     with pytest.raises(ConfigError, match=r"options.families: nope not in tasks.families"):
         create("reasoning", BenchmarkConfig(kind="reasoning", options={"families": ["nope"]}),
                Context(tasks=DEFAULT)).items()
+
+
+def test_the_default_families_draw_the_same_items_in_every_process():
+    """The distill stage resumes by a digest of its pool, evaluation regenerates the held-out split: a
+    family whose items depend on the process (str hash order) would break both."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import hashlib; from mars.training.tasks import TasksConfig, heldout, train; cfg = TasksConfig(); "
+              "print({n: hashlib.sha256(repr([heldout(cfg, n), train(cfg, n)]).encode()).hexdigest() "
+              "for n in cfg.families})")
+    outs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(outs) == 1

@@ -7,6 +7,10 @@ each with a verifier (``score_answer(answer, entry)``). The same family settings
 - ``heldout``: the ``reasoning`` benchmark's items (every family, including ``pool: false`` ones,
   which the model was never distilled on).
 
+A family must generate the same items in every process (the distill stage resumes by a digest of its
+pool, and evaluation regenerates the held-out split): ``isomorphic_strings``, for one, iterates a set
+of strings and draws differently under each ``PYTHONHASHSEED``. The default families are checked.
+
 The splits come from seed ranges that do not overlap (reasoning-gym seeds item i with seed + i) and
 are disjoint by content as well: a train item whose question is also a held-out question of its
 family, or repeats an earlier one, is dropped (and counted), so a small content space (gcd of small
@@ -47,7 +51,6 @@ def default_families() -> dict[str, TaskFamily]:
         "simple_equations": F(config={"min_terms": 2, "max_terms": 2, "min_value": 1, "max_value": 10}),
         "word_sequence_reversal": F(config={"min_words": 3, "max_words": 5}),
         "calendar_arithmetic": F(),
-        "isomorphic_strings": F(config={"min_string_length": 2, "max_string_length": 5}),
         "number_sorting": F(config={"min_numbers": 3, "max_numbers": 5, "min_decimals": 0, "max_decimals": 0,
                                     "min_value": 1, "max_value": 50}),
         "word_sorting": F(config={"min_words": 3, "max_words": 5}),
