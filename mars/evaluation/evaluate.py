@@ -32,6 +32,7 @@ from mars.evaluation.benchmarks import BenchmarkConfig, Context, create
 from mars.errors import ConfigError, MarsError
 from mars.evaluation.harness import LmEvalConfig
 from mars.evaluation.metric_key import MetricKey, sweep_order
+from mars.evaluation.metrics_entry import metrics_entry
 from mars.evaluation.sandbox import SandboxLimits
 
 
@@ -111,20 +112,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
 def summarize(rows: list[dict], seconds: float, tau: float | None, block_size: int) -> dict:
     """The metrics entry of one (checkpoint, benchmark, tau) from its per-item rows; ``tau=None``: the
     lossless mode."""
-    tokens = sum(len(r["token_ids"]) for r in rows)
-    forwards = sum(r["forwards"] for r in rows)
-    return {
-        "score": sum(r["score"] for r in rows) / len(rows) if rows else 0.0,
-        "tokens_per_forward": tokens / forwards if forwards else 0.0,
-        "tokens": tokens,
-        "forwards": forwards,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-        "n": len(rows),
-        "tau": None if tau is None else float(tau),
-        "mode": "lossless" if tau is None else "tau",
-        "block_size": block_size,
-    }
+    score = sum(r["score"] for r in rows) / len(rows) if rows else 0.0
+    return metrics_entry(score, sum(len(r["token_ids"]) for r in rows), sum(r["forwards"] for r in rows), seconds,
+                         len(rows), tau, block_size)
 
 
 def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, cfg: EvalConfig, out_dir: Path,

@@ -30,6 +30,7 @@ from typing import Any
 from mars.core.atomic import write_json, write_jsonl
 from mars.errors import ConfigError, MarsError
 from mars.evaluation.metric_key import MetricKey
+from mars.evaluation.metrics_entry import metrics_entry
 
 # datasets' packaged builders: a task naming one reads local files (data_files), not the hub.
 LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow", "pandas"}
@@ -251,25 +252,11 @@ def _rows(leaves: list[str], results: dict, generations: dict, metric: str) -> l
 def entry_of(result: dict, metric: str, stats: list[dict], n: int, tau: float | None, block_size: int) -> dict:
     """The metrics/eval.json entry of one task or group: lm-eval's score beside the decoding work
     (``tau=None``: the lossless mode)."""
-    tokens = sum(s["tokens"] for s in stats)
-    forwards = sum(s["forwards"] for s in stats)
-    seconds = sum(s["seconds"] for s in stats)
     stderr = result.get(metric.replace(",", "_stderr,", 1))
-    return {
-        "score": float(result[metric]),
-        "tokens_per_forward": tokens / forwards if forwards else 0.0,
-        "tokens": tokens,
-        "forwards": forwards,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-        "n": n,
-        "tau": None if tau is None else float(tau),
-        "mode": "lossless" if tau is None else "tau",
-        "block_size": block_size,
-        "metric": metric,
-        "stderr": stderr if isinstance(stderr, (int, float)) else None,
-        "harness": "lm-eval",
-    }
+    entry = metrics_entry(result[metric], sum(s["tokens"] for s in stats), sum(s["forwards"] for s in stats),
+                          sum(s["seconds"] for s in stats), n, tau, block_size)
+    return {**entry, "metric": metric, "stderr": stderr if isinstance(stderr, (int, float)) else None,
+            "harness": "lm-eval"}
 
 
 def evaluate_model(name: str, model, tokenizer, tasks: Tasks, eval_cfg, out_dir: Path, log=print) -> dict:
