@@ -51,12 +51,11 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        if threads:
-            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mars.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port",
              str(self.port), "--tau-policy", policy, "--tau", str(tau), "--tau-floor", str(floor), "--max-batch",
-             str(max_batch), "--max-queue", "100000", "--dtype", dtype, "--log-level", "warning"],
+             str(max_batch), "--max-queue", "100000", "--dtype", dtype, "--log-level", "warning",
+             *(["--threads", str(threads)] if threads else [])],
             env=env, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 300
         while True:
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=16, help="requests at 4 streams before measuring")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, help="torch threads of the server (OMP_NUM_THREADS)")
+    parser.add_argument("--threads", type=int, help="torch threads of the server (mars serve --threads)")
     parser.add_argument("--json", help="write every number here too")
     args = parser.parse_args(argv)
     items = held_out(args.data, args.items)

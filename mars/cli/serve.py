@@ -34,6 +34,7 @@ def _parser(verb: str):
                         help=f"PyTorch decoder or the release's ONNX export (default: {d.backend})")
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--dtype", default=d.dtype, help=f"float32 | bfloat16 | auto (default: {d.dtype})")
+    parser.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (default: every core)")
     parser.add_argument("--host", default=d.host, help=f"bind address (default: {d.host}; 0.0.0.0 in a container)")
     parser.add_argument("--port", type=int, default=d.port)
     parser.add_argument("--max-batch", type=int, default=d.max_batch, help=f"rows decoding at once (default: "
@@ -64,6 +65,7 @@ def main(argv: list[str], verb: str = "serve") -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = ServeConfig(host=args.host, port=args.port, backend=args.backend, device=args.device, dtype=args.dtype,
+                      threads=args.threads,
                       max_batch=args.max_batch, max_queue=args.max_queue, tau_policy=args.tau_policy,
                       max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
                       poll_seconds=args.poll_seconds, drain_seconds=args.drain_seconds)

@@ -199,19 +199,24 @@ def create_app(serving: Serving) -> FastAPI:
             "context_length": model.context}]}
 
     async def generate(request: Request, kind: type):
-        engine = admit(request)
+        admit(request)
         req = parse(kind, await body_of(request))
-        if req.model != engine.model.name:
-            raise APIError(404, f"model: {req.model!r} is not served here (this server serves "
-                           f"{engine.model.name!r})", "model", code="model_not_found")
-        gen = _generation_request(req, engine, serving.limits)
-        try:
-            handle = engine.submit(gen, asyncio.get_running_loop())
-        except QueueFull as err:
-            raise APIError(429, f"too many requests: {err}; retry later", kind="rate_limit_error",
-                           code="queue_full", headers={"Retry-After": str(serving.limits.retry_after_s)}) from None
-        except Closed as err:
-            raise APIError(503, str(err), kind="server_error", code="shutting_down") from None
+        while True:
+            engine = serving.current
+            if req.model != engine.model.name:
+                raise APIError(404, f"model: {req.model!r} is not served here (this server serves "
+                               f"{engine.model.name!r})", "model", code="model_not_found")
+            gen = _generation_request(req, engine, serving.limits)
+            try:
+                handle = engine.submit(gen, asyncio.get_running_loop())
+                break
+            except QueueFull as err:
+                raise APIError(429, f"too many requests: {err}; retry later", kind="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": str(serving.limits.retry_after_s)}) from None
+            except Closed as err:
+                if serving.draining or serving.current is engine:
+                    raise APIError(503, str(err), kind="server_error", code="shutting_down") from None
+                # a hot swap retired this engine between our look and the submit: the new one takes it
         chat = kind is ChatRequest
         meta = {"id": completion_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": engine.model.name,
                 "system_fingerprint": engine.model.version}

@@ -15,6 +15,7 @@ class ServeConfig:
     backend: Literal["torch", "onnx"] = "torch"
     device: str = "cpu"
     dtype: str = "float32"
+    threads: int | None = None  # torch CPU threads (None: torch's default, every core)
     max_batch: int = 16  # rows decoding at once
     max_queue: int = 64  # requests waiting for a row; beyond: 429
     tau_policy: Literal["fixed", "adaptive"] = "fixed"
@@ -27,6 +28,8 @@ class ServeConfig:
         for key in ("max_batch", "max_queue", "max_tokens", "default_max_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads: must be >= 1 (or null), got {self.threads}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port: must be in 1..65535, got {self.port}")
         if self.default_max_tokens > self.max_tokens:

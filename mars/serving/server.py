@@ -41,6 +41,10 @@ def build(cfg: ServeConfig, *, release: str | None = None, stage: str = "prod", 
           cache: str | Path | None = None, model_dir: str | Path | None = None, name: str | None = None,
           tau: float | None = None, tau_floor: float | None = None, api_key: str | None = None) -> Built:
     """The serving state for a release at a stage of ``store`` (pulled into ``cache``) or a checkpoint."""
+    if cfg.threads is not None:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
     metrics = ServerMetrics()
     load = dict(backend=cfg.backend, device=cfg.device, dtype=cfg.dtype)
     if release is not None:
