@@ -264,6 +264,9 @@ def _private_root(new_root: str, workdir: str, readonly: list[str], tmp_mb: int)
     ``workdir`` at ``SANDBOX_DIR`` (read-write), a private /tmp and /dev; the old root detached."""
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing mounted here propagates to the host
     _mount("tmpfs", new_root, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=1m")
+    # the private /tmp first: an interpreter that lives under /tmp (a venv in a CI clone) is bound on top
+    _mount_point(new_root + "/tmp", True)
+    _mount("tmpfs", new_root + "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=1777,size={tmp_mb}m")
     for path in readonly:
         inside = new_root + path
         if os.path.islink(path):  # merged /usr: /lib -> usr/lib stays a link
@@ -274,8 +277,6 @@ def _private_root(new_root: str, workdir: str, readonly: list[str], tmp_mb: int)
         _bind(path, inside, readonly=True)
     _mount_point(new_root + SANDBOX_DIR, True)
     _bind(workdir, new_root + SANDBOX_DIR, readonly=False)
-    _mount_point(new_root + "/tmp", True)
-    _mount("tmpfs", new_root + "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=1777,size={tmp_mb}m")
     for name in _DEVICES:
         if os.path.exists(f"/dev/{name}"):
             _mount_point(f"{new_root}/dev/{name}", False)
