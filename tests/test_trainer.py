@@ -451,3 +451,13 @@ def test_resume_refuses_a_checkpoint_holding_a_crafted_pickle(init_dir, tmp_path
 def test_out_of_range_knobs_from_the_command_line_are_refused(override, message):
     with pytest.raises(ConfigError, match=message):
         section(load_params(ROOT / "params.yaml", [override]), "train", TrainConfig)
+
+
+def test_a_second_run_in_one_process_may_use_another_precision():
+    # accelerate's process-wide state refused the second Accelerator: a bf16 study after an fp32 run in
+    # one test session (or notebook) failed with "AcceleratorState has already been initialized"
+    from mars.training.trainer import TrainConfig, _make_accelerator
+
+    assert _make_accelerator(TrainConfig(mixed_precision="no")).mixed_precision == "no"
+    assert _make_accelerator(TrainConfig(mixed_precision="bf16")).mixed_precision == "bf16"
+    assert _make_accelerator(TrainConfig(mixed_precision="no")).mixed_precision == "no"

@@ -412,10 +412,15 @@ def checkpoint_info(cfg: TrainConfig, stage: str, mask_id: int, base: str) -> Ch
 
 def _make_accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     precision = cfg.mixed_precision
     if precision == "auto":
         precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    # Each run sets its own precision. accelerate keeps one process-wide state and refuses a second
+    # Accelerator with another precision, so a second run in one process (a notebook, a test session)
+    # would fail; the process group (PartialState) is kept.
+    AcceleratorState._reset_state(reset_partial_state=False)
     # cpu=True is what makes a multi-process launch on a machine without CUDA use gloo
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=precision,
                        gradient_accumulation_steps=cfg.grad_accum)
