@@ -23,15 +23,8 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def sha256_chunks(chunks: Iterable[bytes]) -> str:
-    """Hex sha256 of a stream of byte chunks (an object read back from a store)."""
-    digest = hashlib.sha256()
-    for chunk in chunks:
-        digest.update(chunk)
-    return digest.hexdigest()
-
-
-def sha256_chunks(chunks: Iterable[bytes]) -> str:
-    """Hex sha256 of ``chunks`` concatenated, without building the whole byte string (a data set's records)."""
+    """Hex sha256 of ``chunks`` concatenated, without building the whole byte string (an object read back
+    from a store, a data set's records)."""
     digest = hashlib.sha256()
     for chunk in chunks:
         digest.update(chunk)

@@ -29,7 +29,6 @@ writes a manifest that says so and no data.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Literal
 
 from mars.core.atomic import atomic_dir, read_json, write_json, write_jsonl
+from mars.core.digest import sha256_chunks
 from mars.errors import ConfigError, DataError, MarsError
 from mars.training.tasks import TasksConfig
 
@@ -247,13 +247,11 @@ def decoding_settings(cfg: DistillConfig) -> dict:
 
 
 def _fingerprint(pool: list[Prompt], digest: str, settings: dict, rows_per_shard: int) -> dict:
-    h = hashlib.sha256()
-    for p in pool:
-        h.update(json.dumps([p.id, p.family, p.source, p.prompt]).encode() + b"\n")
+    pool_sha256 = sha256_chunks(json.dumps([p.id, p.family, p.source, p.prompt]).encode() + b"\n" for p in pool)
     # batch_size and torch only change how fast the same greedy tokens come (in fp32; in bf16 batch
     # composition can flip a near-tie): recorded in the manifest, but a resume may change them
     fixed = {k: v for k, v in settings.items() if k not in ("batch_size", "torch")}
-    return {"format_version": FORMAT_VERSION, "pool_sha256": h.hexdigest(), "prompts": len(pool),
+    return {"format_version": FORMAT_VERSION, "pool_sha256": pool_sha256, "prompts": len(pool),
             "generator_sha256": digest, "decoding": fixed, "rows_per_shard": rows_per_shard}
 
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 
 from mars.errors import ConfigError
+from mars.evaluation.benchmarks.answers import _NUMBER
 from mars.evaluation.benchmarks.base import Benchmark, Item, register
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _ANSWER_IS = re.compile(r"answer is[:\s]*(.+?)(?:\.\s|\.?$)", re.IGNORECASE | re.MULTILINE)
 
 
