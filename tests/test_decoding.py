@@ -538,22 +538,28 @@ def test_bench_reports_medians_speedups_and_ceiling_against_hf():
     report = run(model, None, random_prompts((5, 9, 3)), batch_sizes=[1, 2], taus=[1.0, 0.5], block_size=B,
                  max_new_tokens=6, b_cache=None, repeats=1)
     rows = {(r["batch_size"], r["method"], r["tau"]): r for r in report["rows"]}
+    # HF prompt lookup only at batch 1 (HF's candidate generator takes one row)
     assert set(rows) == {(bs, m, t) for bs in (1, 2) for m, t in (("hf_generate", None), ("mars", 1.0),
-                                                                   ("mars", 0.5), ("mars_lossless", None))}
+                                                                   ("mars", 0.5), ("mars_lossless", None))} | \
+        {(1, "hf_prompt_lookup", None)}
+    lookup = rows[1, "hf_prompt_lookup", None]
+    assert lookup["same_as_hf"] == 3  # greedy output: drafts are verified
+    assert lookup["tokens_per_forward"] >= 1.0 and lookup["speedup_vs_ar"] is None and lookup["ceiling_speedup"] is None
     for bs in (1, 2):
         assert rows[bs, "hf_generate", None]["speedup_vs_hf"] == 1.0
+        assert rows[bs, "hf_generate", None]["tokens_per_forward"] == 1.0  # one forward per token, prefill not counted
         assert rows[bs, "hf_generate", None]["speedup_vs_ar"] is None and rows[bs, "mars", 1.0]["speedup_vs_ar"] == 1.0
         assert rows[bs, "mars", 0.5]["speedup_vs_ar"] == pytest.approx(
             rows[bs, "mars", 0.5]["speedup_vs_hf"] / rows[bs, "mars", 1.0]["speedup_vs_hf"])
-        assert rows[bs, "mars", 1.0]["tokens"] == rows[bs, "hf_generate", None]["tokens"]  # same greedy output
+        assert rows[bs, "mars", 1.0]["same_as_hf"] == 3  # same greedy output, prompt for prompt
         assert rows[bs, "mars", 1.0]["ceiling_speedup"] == 1.0
         assert rows[bs, "mars", 0.5]["tokens_per_forward"] > 1.0 and rows[bs, "mars", 0.5]["ceiling_speedup"] > 0
         lossless = rows[bs, "mars_lossless", None]
-        assert lossless["tokens"] == rows[bs, "hf_generate", None]["tokens"]  # greedy output too
+        assert lossless["same_as_hf"] == 3  # greedy output too
         assert lossless["tokens_per_forward"] >= 1.0 and lossless["ceiling_speedup"] > 0
         assert lossless["speedup_vs_ar"] == pytest.approx(lossless["speedup_vs_hf"] / rows[bs, "mars", 1.0]["speedup_vs_hf"])
     table = format_table(report)
-    assert "mars tau=0.5" in table and "mars lossless" in table
+    assert "mars tau=0.5" in table and "mars lossless" in table and "hf lookup" in table
 
 
 def test_a_model_never_trained_with_masks_is_refused_below_tau_1():

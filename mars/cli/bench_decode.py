@@ -26,6 +26,9 @@ def main(argv: list[str], verb: str = "bench-decode") -> int:
     parser.add_argument("--taus", default="1.0,0.95,0.9,0.8")
     parser.add_argument("--lossless", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the lossless mode: greedy output, mask slots as verified drafts (default: on)")
+    parser.add_argument("--prompt-lookup", type=int, default=10, metavar="N",
+                        help="also time HF prompt-lookup decoding at batch 1 (prompt_lookup_num_tokens=N; 0: off; "
+                             "default: %(default)s)")
     parser.add_argument("--block-size", type=int, help="default: decode.block_size, else config.mars.block_size")
     parser.add_argument("--max-new-tokens", type=int, help="default: decode.max_new_tokens")
     parser.add_argument("--b-cache", type=int, help="default: decode.b_cache")
@@ -44,7 +47,7 @@ def main(argv: list[str], verb: str = "bench-decode") -> int:
                        taus=_numbers(args.taus), block_size=args.block_size or cfg.block_size,
                        max_new_tokens=args.max_new_tokens or cfg.max_new_tokens,
                        b_cache=cfg.b_cache if args.b_cache is None else args.b_cache, repeats=args.repeats,
-                       lossless=args.lossless)
+                       lossless=args.lossless, prompt_lookup=args.prompt_lookup or None)
     report.update(model=str(args.model), device=str(model.device), threads=torch.get_num_threads())
     print(speed.format_table(report))
     if args.json:

@@ -13,7 +13,11 @@ Per batch size and tau it also prints tokens/forward and the ceiling of ``vs_ar`
 t(1-token step) / t(B-token step), the steps timed alternately on the same prefilled cache. The
 lossless mode (``lossless=True``, a row ``mars lossless``: greedy output, mask slots as verified drafts)
 forwards the last token + B-1 drafts + B-1 masks once drafts are pending: its ceiling is taken with the
-(2B-1)-token step, a slight underestimate (a step after a wrong draft forwards only B).
+(2B-1)-token step, a slight underestimate (a step after a wrong draft forwards only B). At batch 1 the
+table also has HF's prompt-lookup decoding (``prompt_lookup_num_tokens``: n-grams of the context as
+drafts, the other method with no new parameters; HF runs it for one row only). ``=hf`` counts the
+prompts whose output is HF greedy's token for token: every prompt for the greedy methods in fp32; in bf16
+a window's width changes the rounding, so a near-tie can go the other way.
 """
 
 from __future__ import annotations
@@ -67,24 +71,38 @@ def load_prompts(tokenizer, count: int, *, data_dir: str | None = None, prompts_
 
 
 def hf_generate(model, prompts: list[list[int]], batch_size: int, max_new_tokens: int, pad_id: int,
-                eos: list[int]) -> int:
-    """HF greedy with its KV cache, left-padded batches; returns the tokens generated (up to EOS).
-    Prompts of similar length go together, as in :func:`mars.decoding.loop.generate` (less padding)."""
-    generated = 0
-    prompts = sorted(prompts, key=len, reverse=True)
-    for start in range(0, len(prompts), batch_size):
-        batch = prompts[start: start + batch_size]
-        width = max(map(len, batch))
-        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in batch], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                 temperature=None, top_p=None, top_k=None, eos_token_id=eos or None,
-                                 pad_token_id=pad_id)[:, width:].tolist()
-        for row in out:
-            ends = [row.index(e) + 1 for e in eos if e in row]
-            generated += min(ends) if ends else len(row)
-    return generated
+                eos: list[int], prompt_lookup: int | None = None) -> tuple[list[list[int]], int]:
+    """HF greedy with its KV cache, left-padded batches; returns (each prompt's tokens up to and with its
+    EOS, in prompt order; forwards per row as MARS counts them: one row's calls of the model, the prefill
+    giving the first token; batched plain greedy takes one per token). Prompts of similar length go together, as in
+    :func:`mars.decoding.loop.generate` (less padding). ``prompt_lookup``: HF prompt-lookup decoding
+    (``prompt_lookup_num_tokens``: n-grams of the context as drafts, verified by the model; batch 1 only)."""
+    outputs: list[list[int] | None] = [None] * len(prompts)
+    calls = [0]
+    hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
+    batches = range(0, len(prompts), batch_size)
+    lookup = {} if prompt_lookup is None else {"prompt_lookup_num_tokens": prompt_lookup}
+    try:
+        for start in batches:
+            picked = order[start: start + batch_size]
+            batch = [prompts[i] for i in picked]
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in batch], device=model.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                     temperature=None, top_p=None, top_k=None, eos_token_id=eos or None,
+                                     pad_token_id=pad_id, **lookup)[:, width:].tolist()
+            for i, row in zip(picked, out):
+                ends = [row.index(e) + 1 for e in eos if e in row]
+                outputs[i] = row[: min(ends)] if ends else row
+    finally:
+        hook.remove()
+    return outputs, calls[0] if batch_size == 1 else sum(map(len, outputs))
+
+
+METHODS = {"hf": "hf_generate", "hf_lookup": "hf_prompt_lookup", "mars": "mars", "lossless": "mars_lossless"}
 
 
 def _sync(device) -> None:
@@ -116,7 +134,7 @@ def step_times(model, prompts: list[list[int]], batch_size: int, widths: list[in
 
 
 def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tokens, b_cache, repeats,
-        lossless: bool = True):
+        lossless: bool = True, prompt_lookup: int | None = 10):
     eos = stop_token_ids_of(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     block_size = block_size or CheckpointInfo.block_size_of(model)
@@ -124,20 +142,23 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
         raise MarsError("bench-decode: pass --block-size (the checkpoint has no config.mars.block_size)")
     rows = []
     for bs in batch_sizes:
-        configs = [("hf", None)] + [("mars", tau) for tau in taus] + ([("lossless", None)] if lossless else [])
+        configs = [("hf", None)] + ([("hf_lookup", None)] if prompt_lookup and bs == 1 else []) + \
+            [("mars", tau) for tau in taus] + ([("lossless", None)] if lossless else [])
 
         def once(kind, tau):
             _sync(model.device)
             t = time.perf_counter()
-            if kind == "hf":
-                tokens, tpf = hf_generate(model, prompts, bs, max_new_tokens, pad_id, eos), 1.0
+            if kind in ("hf", "hf_lookup"):
+                outputs, forwards = hf_generate(model, prompts, bs, max_new_tokens, pad_id, eos,
+                                                prompt_lookup if kind == "hf_lookup" else None)
+                tpf = sum(map(len, outputs)) / forwards
             else:
                 res = generate(model, tokenizer, prompts, block_size=block_size, tau=tau or 1.0,
                                mode="lossless" if kind == "lossless" else "tau", max_new_tokens=max_new_tokens,
                                batch_size=bs, b_cache=b_cache)
-                tokens, tpf = res.tokens, res.tokens_per_forward
+                outputs, tpf = [r.token_ids for r in res], res.tokens_per_forward
             _sync(model.device)
-            return time.perf_counter() - t, tokens, tpf
+            return time.perf_counter() - t, outputs, tpf
 
         for kind, tau in configs:  # warm-up
             once(kind, tau)
@@ -145,42 +166,49 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
         stats = {}
         for r in range(repeats):
             for kind, tau in configs[r % len(configs):] + configs[: r % len(configs)]:
-                dt, tokens, tpf = once(kind, tau)
+                dt, outputs, tpf = once(kind, tau)
                 seconds[(kind, tau)].append(dt)
-                stats[(kind, tau)] = (tokens, tpf)
+                stats[(kind, tau)] = (outputs, tpf)
         t1, tb, tw = step_times(model, prompts, bs, [1, block_size, 2 * block_size - 1])
         hf_s = statistics.median(seconds[("hf", None)])
         ar_s = statistics.median(seconds[("mars", 1.0)]) if ("mars", 1.0) in seconds else None
+        greedy = stats[("hf", None)][0]
         for kind, tau in configs:
             med = statistics.median(seconds[(kind, tau)])
-            tokens, tpf = stats[(kind, tau)]
+            outputs, tpf = stats[(kind, tau)]
+            tokens = sum(map(len, outputs))
             step = tw if kind == "lossless" else t1 if tau is not None and tau >= 1.0 else tb
+            hf = kind.startswith("hf")
             rows.append({
-                "batch_size": bs, "method": {"hf": "hf_generate", "mars": "mars", "lossless": "mars_lossless"}[kind],
+                "batch_size": bs, "method": METHODS[kind],
                 "tau": tau,
                 "median_s": med, "speedup_vs_hf": hf_s / med,
-                "speedup_vs_ar": None if kind == "hf" or ar_s is None else ar_s / med,
+                "speedup_vs_ar": None if hf or ar_s is None else ar_s / med,
                 "tokens": tokens, "tokens_per_s": tokens / med,
+                # prompts whose output is HF greedy's token for token (tau = 1, lossless and prompt lookup
+                # are greedy: all of them in fp32; bf16 rounds differently per window width)
+                "same_as_hf": sum(a == b for a, b in zip(outputs, greedy)),
                 "tokens_per_forward": tpf,
                 # tau = 1 forwards no mask: its step is the 1-token step
-                "ceiling_speedup": None if kind == "hf" else tpf * t1 / step,
+                "ceiling_speedup": None if hf else tpf * t1 / step,
                 "t_step_1_ms": t1 * 1e3, "t_step_B_ms": tb * 1e3, "t_step_2B-1_ms": tw * 1e3,
             })
     return {"block_size": block_size, "b_cache": b_cache, "max_new_tokens": max_new_tokens,
-            "prompts": len(prompts), "repeats": repeats, "rows": rows}
+            "prompts": len(prompts), "repeats": repeats, "prompt_lookup_num_tokens": prompt_lookup, "rows": rows}
 
 
 def format_table(report: dict) -> str:
     lines = [f"B={report['block_size']} b_cache={report['b_cache']} prompts={report['prompts']} "
              f"max_new_tokens={report['max_new_tokens']} repeats={report['repeats']} (medians; vs_hf = HF s / MARS s, vs_ar = MARS tau=1 s / MARS s)",
              f"{'batch':>5} {'method':<13} {'median_s':>9} {'vs_hf':>7} {'vs_ar':>7} {'tok/fwd':>8} {'ceiling':>8} "
-             f"{'tokens':>7} {'tok/s':>8} {'t1_ms':>7} {'tB_ms':>7} {'t2B-1_ms':>8}"]
+             f"{'tokens':>7} {'=hf':>5} {'tok/s':>8} {'t1_ms':>7} {'tB_ms':>7} {'t2B-1_ms':>8}"]
     ratio = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
     for row in report["rows"]:
-        name = {"hf_generate": "hf generate", "mars_lossless": "mars lossless"}.get(row["method"]) or \
+        name = {"hf_generate": "hf generate", "hf_prompt_lookup": "hf lookup", "mars_lossless": "mars lossless"}.get(row["method"]) or \
             f"mars tau={row['tau']:g}"
         lines.append(f"{row['batch_size']:>5} {name:<13} {row['median_s']:>9.3f} {ratio(row['speedup_vs_hf']):>7} "
                      f"{ratio(row['speedup_vs_ar']):>7} {row['tokens_per_forward']:>8.2f} "
-                     f"{ratio(row['ceiling_speedup']):>8} {row['tokens']:>7} {row['tokens_per_s']:>8.1f} "
+                     f"{ratio(row['ceiling_speedup']):>8} {row['tokens']:>7} {row['same_as_hf']:>5} "
+                     f"{row['tokens_per_s']:>8.1f} "
                      f"{row['t_step_1_ms']:>7.2f} {row['t_step_B_ms']:>7.2f} {row['t_step_2B-1_ms']:>8.2f}")
     return "\n".join(lines)
