@@ -163,6 +163,24 @@ def test_overlong_examples_are_skipped_or_truncated_and_counted(base, tmp_path):
         assert max(len(r["input_ids"]) for r in load_split(out, "train")) <= 32
 
 
+def test_a_response_cut_off_at_the_token_limit_is_trained_without_eos(base, tokenizer, tmp_path):
+    """mars distill marks a response that hit max_new_tokens with finish_reason "length": the base did not
+    stop there, so training must not teach it to (an EOS there makes a fine-tuned model answer short)."""
+    src = write_jsonl(tmp_path / "rows.jsonl", [
+        {"id": "a", "prompt": "Go.", "response": "one two", "finish_reason": "stop"},
+        {"id": "b", "prompt": "Go.", "response": "one two", "finish_reason": "length"},
+        {"id": "c", "prompt": "Go.", "response": "one two"},
+        {"id": "d", "prompt": "Go.", "response": "one two", "finish_reason": 3}])
+    out = tmp_path / "out"
+    prepare(DataConfig(source=str(src), n_heldout=0, max_length=64), base, out)
+    rows = {r["id"]: r["input_ids"] for r in load_split(out, "train")}
+    eos = tokenizer.eos_token_id
+    assert rows["a"][-1] == eos and rows["c"][-1] == eos
+    assert rows["b"] == rows["a"][:-1]
+    s = stats_of(out)
+    assert (s["kept"], s["unterminated"], s["skipped"]) == (3, 1, {"wrong_type": 1})
+
+
 def test_load_split_checks_the_shards_against_meta(base, tmp_path):
     out = tmp_path / "prepared"
     prepare(DataConfig(n_train=16, n_heldout=8), base, out)

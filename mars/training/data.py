@@ -8,8 +8,10 @@ Sources (``data.source``):
 
 A row is either ``prompt``/``response`` columns or a chat ``messages`` list (names in ``data.*_column``).
 The base model's chat template is applied: the prompt is every turn before the last assistant turn,
-rendered with ``add_generation_prompt=True``; the response is the last assistant text + EOS. Both are
-tokenized once; the shards hold ``input_ids`` and ``prompt_len`` only, so one prepare serves every B.
+rendered with ``add_generation_prompt=True``; the response is the last assistant text + EOS. A row whose
+``finish_reason`` is ``"length"`` (``mars distill``'s field, OpenAI's name: the generator hit its token
+limit) is a cut-off response and gets no EOS: the model learns to go on there, not to stop (counted as
+``unterminated``). Both are tokenized once; the shards hold ``input_ids`` and ``prompt_len`` only, so one prepare serves every B.
 
 Bad rows are never dropped silently: bad JSON, non-UTF-8 bytes, wrong types, a missing or empty
 response, an over-long example each count under their reason in ``stats.json`` (with the first rows
@@ -99,6 +101,7 @@ class SplitStats:
     blank_lines: int = 0  # JSONL lines with nothing on them (not rows)
     kept: int = 0
     truncated: int = 0
+    unterminated: int = 0  # finish_reason "length": trained without EOS
     skipped: Counter = field(default_factory=Counter)
     problems: list[dict] = field(default_factory=list)
     families: Counter = field(default_factory=Counter)
@@ -124,6 +127,7 @@ class SplitStats:
             "skipped": dict(sorted(self.skipped.items())),
             "skipped_total": sum(self.skipped.values()),
             "truncated": self.truncated,
+            "unterminated": self.unterminated,
             "families": dict(sorted(self.families.items())),
             "tokens": {k: summary(v) for k, v in self.lengths.items()},
             "problems": self.problems,
@@ -214,6 +218,7 @@ class Record:
     response: str
     family: str
     id: str
+    ends: bool = True  # False: the response was cut off at a token limit (no EOS is trained)
 
 
 def _text(value: Any) -> str:
@@ -257,6 +262,8 @@ def to_record(row: Any, where: str, tokenizer, cfg: DataConfig, default_id: str)
                 return Problem(where, "missing_response", f"no {cfg.response_column!r}")
             prompt, response = _text(row[cfg.prompt_column]), _text(row[cfg.response_column])
             context = [{"role": "user", "content": prompt}]
+        finish = row.get("finish_reason")
+        ends = finish is None or _text(finish) != "length"
     except UnicodeError as err:  # bytes that are not UTF-8, or a string holding a lone surrogate
         return Problem(where, "non_utf8", str(err))
     except TypeError as err:
@@ -265,7 +272,7 @@ def to_record(row: Any, where: str, tokenizer, cfg: DataConfig, default_id: str)
         return Problem(where, "empty_prompt")
     if not response.strip():
         return Problem(where, "empty_response")
-    return Record(where, prompt, render_prompt(tokenizer, context), response, family, rid)
+    return Record(where, prompt, render_prompt(tokenizer, context), response, family, rid, ends)
 
 
 # ---- tokenizing --------------------------------------------------------------------------------------
@@ -284,7 +291,8 @@ def tokenize(records: list[Record], tokenizer, cfg: DataConfig, stats: SplitStat
         prompts = tokenizer([r.rendered_prompt for r in part], add_special_tokens=False)["input_ids"]
         responses = tokenizer([r.response for r in part], add_special_tokens=False)["input_ids"]
         for rec, p, r in zip(part, prompts, responses):
-            r = r + [eos]
+            if rec.ends:
+                r = r + [eos]
             if len(p) + len(r) > cfg.max_length:
                 if cfg.overlong == "skip" or len(p) >= cfg.max_length:
                     reason = "too_long" if cfg.overlong == "skip" else "prompt_too_long"
@@ -292,6 +300,7 @@ def tokenize(records: list[Record], tokenizer, cfg: DataConfig, stats: SplitStat
                     continue
                 r = r[: cfg.max_length - len(p)]
                 stats.truncated += 1
+            stats.unterminated += not rec.ends
             rows.append({"input_ids": p + r, "prompt_len": len(p), "family": rec.family, "id": rec.id,
                          "prompt": rec.prompt, "response": rec.response})
             stats.kept += 1
