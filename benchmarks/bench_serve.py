@@ -1,4 +1,4 @@
-"""Load benchmark of `mars serve`: tau = 1.0 fixed, a fixed tau < 1 and the adaptive policy, side by side.
+"""Load benchmark of `mars serve`: tau = 1.0, a fixed tau < 1, the lossless mode and the adaptive policy.
 
 For each policy it starts `mars serve --model DIR` on 127.0.0.1 (a subprocess on a free port: the load
 generator does not share the server's interpreter) and warms it up; then at each level, the policies in
@@ -8,7 +8,9 @@ stops) and a bursty trace that moves between levels. Requests are the held-out p
 data (token ids through /v1/completions, greedy, streamed), so each run also gives the held-out score of
 what that policy generated. Printed per level: generated tokens/s, requests/s, latency and
 time-to-first-token percentiles (p50/p95/p99), tokens/forward and the score; then the adaptive policy
-against the best fixed tau and against tau = 1.0.
+against the best fixed setting and against tau = 1.0. "lossless fixed" sends every request with
+``mode: lossless`` (tau = 1.0's output, drafts verified); the adaptive policy may use that mode too
+(``mars serve --adaptive-lossless``, on by default; ``--no-adaptive-lossless`` here turns it off).
 
     python benchmarks/bench_serve.py --model checkpoints/mars/final --data data/prepared
     python benchmarks/bench_serve.py --model DIR --data DIR --levels 1,4,16 --per-stream 6 --fixed-tau 0.9 \
@@ -47,7 +49,8 @@ class Server:
     """`mars serve --model DIR` in a subprocess on 127.0.0.1."""
 
     def __init__(self, model: str, *, policy: str, tau: float, floor: float, max_batch: int, dtype: str,
-                 threads: int | None):
+                 threads: int | None, mode: str = "tau", adaptive_lossless: bool = True):
+        self.mode = mode
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -55,6 +58,7 @@ class Server:
             [sys.executable, "-m", "mars.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port",
              str(self.port), "--tau-policy", policy, "--tau", str(tau), "--tau-floor", str(floor), "--max-batch",
              str(max_batch), "--max-queue", "100000", "--dtype", dtype, "--log-level", "warning",
+             "--adaptive-lossless" if adaptive_lossless else "--no-adaptive-lossless",
              *(["--threads", str(threads)] if threads else [])],
             env=env, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 300
@@ -78,7 +82,7 @@ class Server:
 
 async def one_request(client: httpx.AsyncClient, server: Server, prompt: list[int], max_tokens: int) -> dict:
     body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **({"mode": server.mode} if server.mode != "tau" else {})}
     start = time.perf_counter()
     first, text, usage = None, [], None
     async with client.stream("POST", server.url + "/v1/completions", json=body) as response:
@@ -164,13 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=16, help="requests at 4 streams before measuring")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, help="torch threads of the server (mars serve --threads)")
+    parser.add_argument("--adaptive-lossless", action=argparse.BooleanOptionalAction, default=True,
+                        help="the adaptive policy may use the lossless mode (default: on)")
+    parser.add_argument("--lossless", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run every request in the lossless mode (default: on)")
     parser.add_argument("--json", help="write every number here too")
     args = parser.parse_args(argv)
     items = held_out(args.data, args.items)
     floor = args.tau_floor if args.tau_floor is not None else args.fixed_tau
-    policies = [("tau=1.0 fixed", "fixed", 1.0, 1.0), (f"tau={args.fixed_tau:g} fixed", "fixed", args.fixed_tau,
-                                                        args.fixed_tau),
-                ("adaptive", "adaptive", args.fixed_tau, floor)]
+    policies = [("tau=1.0 fixed", "fixed", 1.0, 1.0, "tau"),
+                (f"tau={args.fixed_tau:g} fixed", "fixed", args.fixed_tau, args.fixed_tau, "tau"),
+                *([("lossless fixed", "fixed", 1.0, 1.0, "lossless")] if args.lossless else []),
+                ("adaptive", "adaptive", args.fixed_tau, floor, "tau")]
     levels = [(f"{s} stream{'s' if s > 1 else ''}", [(s, s * args.per_stream)])
               for s in (int(x) for x in args.levels.split(","))]
     if args.bursty:
@@ -181,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     # machine then hits them alike rather than whichever ran at the time.
     servers = []
     try:
-        for label, policy, tau, tau_floor in policies:
+        for label, policy, tau, tau_floor, mode in policies:
             servers.append((label, Server(args.model, policy=policy, tau=tau, floor=tau_floor,
-                                          max_batch=args.max_batch, dtype=args.dtype, threads=args.threads)))
+                                          max_batch=args.max_batch, dtype=args.dtype, threads=args.threads, mode=mode,
+                                          adaptive_lossless=args.adaptive_lossless)))
             asyncio.run(run_phase(servers[-1][1], items, 0, 4, args.warmup, args.max_tokens))
         for name, phases in levels:
             for label, server in servers:

@@ -32,7 +32,7 @@ from mars.release.promote import promote
 from mars.release.store import open_store
 from mars.serving.config import ServeConfig
 from mars.serving.server import build, make_server
-from mars.serving.tau_policy import AdaptiveTau, TauRange
+from mars.serving.tau_policy import LOSSLESS, AdaptiveTau, TauRange
 
 B = 4
 NAME = "mars"
@@ -343,6 +343,42 @@ def test_rows_joining_a_running_batch_decode_as_they_would_alone():
         assert out[i] == alone.token_ids, i
 
 
+def test_a_row_moved_between_the_lossless_mode_and_tau_one_stays_greedy_and_drops_its_drafts():
+    """The adaptive policy moves greedy rows between the lossless mode and the taus between steps: both
+    lossless and tau = 1.0 are greedy, so a row flipped every step gets the greedy tokens; a row that
+    leaves the lossless mode with drafts pending forwards masks there, not its stale drafts."""
+    model = tiny_model("llama", seed=5, vocab=96)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60)
+    model.config.mars = {"block_size": B, "mask_token_id": 95}
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (6, 11)]
+    windows = []
+
+    class Spy(TorchBackend):
+        def forward(self, window, positions, read):
+            windows.append(window.clone())
+            return super().forward(window, positions, read)
+
+    batch = CachedBatch(Spy(model), block_size=B, stop_ids=torch.tensor([], dtype=torch.long), mask_id=95)
+    flipped = DecodeRow(prompts[0], 24, tau=1.0, lossless=True, key="flipped")
+    other = DecodeRow(prompts[1], 12, tau=0.5, key="other")  # reads masks: the batch's windows are B wide
+    batch.add([flipped, other])
+    out, step, checked = {}, 0, 0
+    while len(batch):
+        k = batch.rows.index(flipped)  # 0: the first row added (a finished one leaves from behind it)
+        leaving = flipped.lossless and int(batch.drafts[k]) > 0 and other in batch.live
+        flipped.lossless = not flipped.lossless
+        u = int(batch.length[k] - batch.cached[k])  # its real tokens not in the cache yet
+        out.update({r.row.key: r.token_ids for r in batch.step() if r.done})
+        if leaving:
+            assert windows[-1][k, u:u + B - 1].tolist() == [95] * (B - 1)
+            checked += 1
+        step += 1
+    assert checked > 0 and step > 6
+    assert out["flipped"] == generate(model, None, [prompts[0]], tau=1.0, max_new_tokens=24)[0].token_ids
+
+
 def test_top_p_samples_only_inside_the_nucleus():
     logits = torch.tensor([[4.0, 3.0, 1.0, 0.0, -1.0]])
     probs = filtered_probs(logits, 1.0, 0.8)
@@ -439,6 +475,27 @@ def test_adaptive_policy_lowers_tau_only_while_the_wide_window_pays():
     assert set(cheap.candidates) == {0.5, 0.75, 0.9, 1.0}
 
 
+def test_the_lossless_mode_is_a_candidate_for_greedy_rows_where_its_widest_window_pays():
+    """tau = 1.0's output at 1.9 tokens/forward beats tau = 0.5's 1.6 while the (2B-1)-slot window costs
+    little more than the B-slot one, and gives way to a tau where it does not; a sampling policy row never
+    takes it."""
+    taus = TauRange(default=0.9, floor=0.5)
+    costs = {"few rows": {1: 0.010, B: 0.011, 2 * B - 1: 0.0115}, "many rows": {1: 0.010, B: 0.015, 2 * B - 1: 0.030}}
+    picked = {}
+    for load, cost in costs.items():
+        policy = AdaptiveTau(taus, lossless=True)
+        for _ in range(300):
+            arm = policy.choose([], 4, B)
+            slots = 2 * B - 1 if arm == LOSSLESS else B if arm < 1 else 1
+            tpf = {LOSSLESS: 1.9, 1.0: 1.0, 0.9: 1.3, 0.75: 1.45, 0.5: 1.6}[arm]
+            policy.observe(4, slots, cost[slots], {arm: (int(tpf * 40), 40)})
+        picked[load] = policy.best([], 4, B)
+        assert policy.best([], 4, B, greedy=False) != LOSSLESS
+        assert LOSSLESS not in {policy.choose([], 4, B, greedy=False) for _ in range(400)}
+    assert picked == {"few rows": LOSSLESS, "many rows": 0.5}  # 1.9/11.5 ms > 1.6/11; 1.6/15 > 1/10 > 1.9/30
+    assert AdaptiveTau(taus).candidates == [0.5, 0.75, 0.9, 1.0]  # off unless asked for
+
+
 def test_an_unmeasured_step_cost_is_scaled_from_the_nearest_measured_windows():
     policy = AdaptiveTau(TauRange(default=0.9, floor=0.5))
     policy.observe(4, 1, 0.010, {})
@@ -457,6 +514,10 @@ def test_adaptive_server_decodes_unnamed_taus_between_the_floor_and_one(release,
         assert named.usage.tau == pytest.approx(0.3)  # a request that names its tau keeps it
         assert all(0.5 - 1e-9 <= o.usage.tau <= 1.0 for o in outs)
         assert len({round(o.usage.tau, 6) for o in outs}) > 1  # the policy tried more than one tau
+        assert any(o.usage.lossless_steps for o in outs)  # and the lossless mode (explored first)
+        for i, o in enumerate(outs):  # only tau = 1.0 and lossless steps: greedy output
+            if o.usage.tau == 1.0:
+                assert o.choices[0].message.content == alone(release, PROMPTS[i % 4], 1.0, 32).text
         text = httpx.get(adaptive.url + "/metrics").text
         assert 'window="1"' in text and f'window="{B}"' in text  # it measured both windows
         assert 0.5 <= adaptive.metric("mars_tau_in_use") <= 1.0

@@ -30,6 +30,9 @@ def _parser(verb: str):
     parser.add_argument("--tau-policy", choices=("fixed", "adaptive"), default=d.tau_policy,
                         help="tau of requests that name none: the release's default, or the goodput-driven choice "
                              f"between the gate's floor and 1.0 (default: {d.tau_policy})")
+    parser.add_argument("--adaptive-lossless", action=argparse.BooleanOptionalAction, default=d.adaptive_lossless,
+                        help="the adaptive policy may decode greedy requests in the lossless mode (tau = 1.0's output, "
+                             "drafts verified) where that gives more tokens/s (default: on)")
     parser.add_argument("--backend", choices=("torch", "onnx"), default=d.backend,
                         help=f"PyTorch decoder or the release's ONNX export (default: {d.backend})")
     parser.add_argument("--device", default=d.device)
@@ -67,6 +70,7 @@ def main(argv: list[str], verb: str = "serve") -> int:
     cfg = ServeConfig(host=args.host, port=args.port, backend=args.backend, device=args.device, dtype=args.dtype,
                       threads=args.threads,
                       max_batch=args.max_batch, max_queue=args.max_queue, tau_policy=args.tau_policy,
+                      adaptive_lossless=args.adaptive_lossless,
                       max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
                       poll_seconds=args.poll_seconds, drain_seconds=args.drain_seconds)
     api_key = args.api_key or os.environ.get("MARS_API_KEY") or None

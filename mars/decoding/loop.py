@@ -248,7 +248,8 @@ class _Rows:
 class DecodeRow:
     """One sequence for :class:`CachedBatch`: its prompt ids, token budget and per-sequence settings.
 
-    ``tau`` may be changed between steps (the serving policy does); ``sampler`` (None: greedy) draws a
+    ``tau`` and ``lossless`` may be changed between steps (the serving policy does; a row leaving the
+    lossless mode drops its pending drafts, which were never output); ``sampler`` (None: greedy) draws a
     token per slot from the slot logits ``[S, V]`` (:class:`mars.decoding.sampling.Sampler`);
     ``block_size`` (<= the batch's B; None: B) caps the tokens a step may accept (a lossless row's
     drafts + 1); ``stream`` rows report their accepted tokens after every step, the others only when
@@ -451,6 +452,12 @@ class CachedBatch:
         slots = self.slots if block is not None else (
             self.block_size if any(r.needs_masks for r in rows) else 1)
         length, cached, drafts = self.length, self.cached, self.drafts
+        left = ~lossless & (drafts > 0)  # rows moved out of the lossless mode: their drafts go back to masks
+        if bool(left.any()):
+            spots = torch.arange(int(drafts.max()))
+            seq.scatter_(1, torch.where(left[:, None] & (spots < drafts[:, None]), length[:, None] + spots, trash),
+                         self.mask_id)
+            drafts = self.drafts = torch.where(left, 0, drafts)
         u = length - cached  # real tokens not in the cache yet (>= 1)
         need = u + drafts + slots - 1  # window entries a row reads up to: its real tokens, drafts, masks
         if block is None:

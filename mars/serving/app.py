@@ -237,7 +237,7 @@ def create_app(serving: Serving) -> FastAPI:
         choice.update({"message": {"role": "assistant", "content": content}} if chat else {"text": content})
         serving.metrics.requests.labels("200").inc()
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": usage(len(gen.prompt_ids), len(item.token_ids), item.forwards, item.taus)}
+                "usage": usage(len(gen.prompt_ids), len(item.token_ids), item.forwards, item.taus, item.lossless_steps)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -276,7 +276,7 @@ async def _sse(engine: Engine, handle, text: TextStream, meta: dict, chat: bool,
                     yield chunk(rest)
                 yield chunk(None, item.finish_reason)
                 if include_usage:
-                    counts = usage(prompt_tokens, len(item.token_ids), item.forwards, item.taus)
+                    counts = usage(prompt_tokens, len(item.token_ids), item.forwards, item.taus, item.lossless_steps)
                     yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': counts})}\n\n"
             else:
                 delta = text.push(item)

@@ -29,6 +29,7 @@ from mars.decoding.sampling import Sampler, SamplingParams
 from mars.decoding.stop_strings import StopStrings
 from mars.errors import MarsError
 from mars.serving.served_model import ServedModel
+from mars.serving.tau_policy import LOSSLESS
 
 log = logging.getLogger("mars.serve")
 
@@ -58,6 +59,7 @@ class Finished:
     forwards: int
     finish_reason: str  # "stop" | "length"
     taus: list[float]  # the tau of each step (one value unless the policy moved it)
+    lossless_steps: int = 0  # steps this request decoded in the lossless mode (its tau then reads 1.0)
 
 
 class RequestHandle:
@@ -68,6 +70,7 @@ class RequestHandle:
         self.request, self.loop, self.row = request, loop, row
         self.queue: asyncio.Queue = asyncio.Queue()
         self.taus: list[float] = []
+        self.lossless_steps = 0
         self.submitted = time.perf_counter()
 
     def push(self, item) -> None:
@@ -115,9 +118,10 @@ class Engine:
         sampler = None if request.sampling.greedy else Sampler(request.sampling)
         stops = StopStrings(self.model.tokenizer, list(request.stop)) or None
         tau = self.policy.tau if request.tau is None else request.tau
+        # key: whether the policy sets its tau (and, for a greedy row, may choose the lossless mode)
+        policy_row = request.tau is None and request.mode != "lossless"
         row = DecodeRow(request.prompt_ids, request.max_tokens, tau, request.mode == "lossless", sampler, stops,
-                        stream=True, key=request.tau is None,  # key: whether the policy sets its tau
-                        block_size=request.block_size)
+                        stream=True, key=policy_row, block_size=request.block_size)
         handle = RequestHandle(request, loop, row)
         with self.cv:
             if not self.accepting:
@@ -178,12 +182,14 @@ class Engine:
         batch, b_size = self.batch, self.model.block_size or 1
         batch.add(joining)
         live = batch.live
-        policy_rows = [r for r in live if r.key and not r.lossless]
+        policy_rows = [r for r in live if r.key]
         if policy_rows:
             fixed = [r.tau for r in live if not r.key and not r.lossless]
-            tau = self.policy.choose(fixed, len(policy_rows), b_size, masks=any(r.lossless for r in live))
+            named_lossless = sum(1 for r in live if not r.key and r.lossless)
+            arm = self.policy.choose(fixed, len(policy_rows), b_size, named_lossless,
+                                     greedy=all(r.sampler is None for r in policy_rows))
             for r in policy_rows:
-                r.tau = tau
+                r.lossless, r.tau = (True, 1.0) if arm == LOSSLESS else (False, arm)
         rows = len(batch)
         updates = batch.step()
         for u in updates:
@@ -191,16 +197,19 @@ class Engine:
             if handle is None:  # failed by close(drain=False) meanwhile
                 continue
             handle.taus.append(u.row.tau)
+            handle.lossless_steps += u.row.lossless
             if u.new_tokens:
                 handle.push(u.new_tokens)
             if u.done:
-                handle.push(Finished(u.token_ids, u.forwards, "stop" if u.stopped else "length", handle.taus))
-        seconds, slots = time.perf_counter() - started, batch.last_slots
-        accepted: dict[float, list[int]] = {}
+                handle.push(Finished(u.token_ids, u.forwards, "stop" if u.stopped else "length", handle.taus,
+                                     handle.lossless_steps))
+        seconds = time.perf_counter() - started
+        # the cost class of the step: 1, B, or 2B-1 while a lossless row drafts (its window is the widest)
+        slots = 2 * b_size - 1 if b_size > 1 and any(u.row.lossless for u in updates) else batch.last_slots
+        accepted: dict = {}
         for u in updates:
-            if not u.row.lossless:
-                entry = accepted.setdefault(u.row.tau, [0, 0])
-                entry[0], entry[1] = entry[0] + len(u.new_tokens), entry[1] + 1
+            entry = accepted.setdefault(LOSSLESS if u.row.lossless else u.row.tau, [0, 0])
+            entry[0], entry[1] = entry[0] + len(u.new_tokens), entry[1] + 1
         decoding = not joining  # a joining row's first window is its whole prompt: not a decoding step's cost
         self.policy.observe(rows, slots, seconds if decoding else None, {t: tuple(v) for t, v in accepted.items()})
         if self.metrics is not None:

@@ -2,8 +2,10 @@
 
 What an operator (and the HorizontalPodAutoscaler, through the Prometheus adapter) reads:
 ``mars_queue_depth`` (requests waiting for a batch row), ``mars_running_requests``, ``mars_tau_in_use``
-(the policy's current tau), ``mars_step_cost_seconds{batch, window}`` (the measured decoding-step cost
-the adaptive policy decides on; window: the slots read per row, 1 or B), ``mars_tokens_per_forward{tau}``,
+(the policy's current tau), ``mars_lossless_in_use`` (1 while the adaptive policy decodes greedy rows in
+the lossless mode), ``mars_step_cost_seconds{batch, window}`` (the measured decoding-step cost the
+adaptive policy decides on; window: the slots read per row, 1, B, or 2B-1 while a lossless row drafts),
+``mars_tokens_per_forward{tau}`` (tau="lossless" for the lossless mode),
 counters of requests by status, generated tokens and decoding steps, a step-time histogram, and
 ``mars_release_info`` (which release serves new requests).
 """
@@ -20,6 +22,8 @@ class ServerMetrics:
         self.running = Gauge("mars_running_requests", "requests decoding in the batch", registry=registry)
         self.tau = Gauge("mars_tau_in_use", "the tau policy's current tau (rows that named no tau)",
                          registry=registry)
+        self.lossless = Gauge("mars_lossless_in_use", "1 while the tau policy puts greedy rows in the lossless mode",
+                              registry=registry)
         self.step_cost = Gauge("mars_step_cost_seconds", "measured seconds per decoding step (moving average)",
                                ["batch", "window"], registry=registry)
         self.tokens_per_forward = Gauge("mars_tokens_per_forward", "measured tokens per row and forward at a tau",
@@ -41,13 +45,14 @@ class ServerMetrics:
         self.step_seconds.observe(seconds)
         self.queue_depth.set(queue_depth)
         self.tau.set(policy.tau)
+        self.lossless.set(getattr(policy, "arm", None) == "lossless")
         snap = getattr(policy, "cost", None)
         if decoding and snap is not None and (rows, slots) in snap:
             self.step_cost.labels(str(rows), str(slots)).set(snap[(rows, slots)])
         elif decoding:
             self.step_cost.labels(str(rows), str(slots)).set(seconds)
         for tau, value in getattr(policy, "tpf", {}).items():
-            self.tokens_per_forward.labels(f"{tau:g}").set(value)
+            self.tokens_per_forward.labels(tau if isinstance(tau, str) else f"{tau:g}").set(value)
 
     def set_release(self, name: str, version: str | None, previous: tuple[str, str | None] | None = None):
         if previous is not None and previous != (name, version):

@@ -138,11 +138,14 @@ def completion_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, forwards: int, taus: list[float]) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, forwards: int, taus: list[float],
+          lossless_steps: int = 0) -> dict:
+    """OpenAI's token counts, plus MARS's: forwards, tokens/forward, the mean tau over the request's steps
+    and how many of them ran in the lossless mode."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens, "forwards": forwards,
             "tokens_per_forward": completion_tokens / forwards if forwards else 0.0,
-            "tau": sum(taus) / len(taus) if taus else None}
+            "tau": sum(taus) / len(taus) if taus else None, "lossless_steps": lossless_steps}
 
 
 def now() -> int:

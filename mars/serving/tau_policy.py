@@ -10,10 +10,15 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   1 when every row decodes at tau = 1, B when some row reads masks (its window then holds the tokens
   accepted last step + B-1 masks); and the tokens each tau yields per row and forward;
 * before each step it picks, among candidate taus between the floor (the lowest tau the release's gate
-  accepted) and the ceiling (the gate's lossless tau, 1.0), the one that maximises the predicted
+  accepted) and the ceiling (1.0), the one that maximises the predicted
   generated tokens per second of the whole batch: sum over rows of tokens/forward at the row's tau,
   divided by the step cost at the batch size and the window that tau needs. Rows that named their tau
   keep it; they count in the prediction as they are.
+* with ``lossless`` one more candidate is the lossless mode (:mod:`mars.decoding.loop`): tau = 1.0's
+  greedy output with the mask slots as verified drafts, so it costs no score at all. Its window is the
+  widest (the last token, B-1 drafts, B-1 masks: 2B-1 slots), so it wins where a wide step is cheap (few
+  rows) and gives way to a tau or to plain tau = 1 where it is not. Only greedy rows can take it: while a
+  policy row samples, the candidates are the taus.
 
 Unmeasured candidates are tried first (each for a few steps), and every ``explore_every``-th decision
 re-measures the candidate measured longest ago, so the estimates follow the load. A step cost not yet
@@ -30,6 +35,8 @@ from typing import Literal, Sequence
 from mars.errors import ConfigError
 
 POLICIES = ("fixed", "adaptive")
+LOSSLESS = "lossless"  # the adaptive policy's candidate beside the taus (a row in the lossless mode)
+Arm = float | str  # a tau, or LOSSLESS
 
 
 @dataclass(frozen=True)
@@ -57,10 +64,10 @@ class FixedTau:
         self.tau = taus.default
 
     def choose(self, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
-               masks: bool = False) -> float:
+               lossless_rows: int = 0, greedy: bool = True) -> float:
         return self.tau
 
-    def observe(self, batch: int, slots: int, seconds: float | None, accepted: dict[float, tuple[int, int]]) -> None:
+    def observe(self, batch: int, slots: int, seconds: float | None, accepted: dict[Arm, tuple[int, int]]) -> None:
         pass
 
     def snapshot(self) -> dict:
@@ -73,34 +80,41 @@ class AdaptiveTau:
     name = "adaptive"
 
     def __init__(self, taus: TauRange, *, alpha: float = 0.2, cost_samples: int = 15, explore_steps: int = 3,
-                 explore_every: int = 150, candidates: Sequence[float] | None = None):
+                 explore_every: int = 150, candidates: Sequence[float] | None = None, lossless: bool = False):
         self.taus = taus
-        self.candidates = sorted(candidates) if candidates else taus.candidates()
+        self.candidates: list[Arm] = sorted(candidates) if candidates else taus.candidates()
+        if lossless:
+            self.candidates.append(LOSSLESS)
         self.alpha, self.cost_samples = alpha, cost_samples  # alpha: the tokens/forward moving average's rate
         self.explore_steps, self.explore_every = explore_steps, explore_every
         self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
         self._recent: dict[tuple[int, int], deque] = {}
-        self.tpf: dict[float, float] = {1.0: 1.0}  # tau -> tokens per row and forward (tau = 1: exactly 1)
-        self.last_seen: dict[float, int] = {}  # decision count when each candidate last ran
+        self.tpf: dict[Arm, float] = {1.0: 1.0}  # arm -> tokens per row and forward (tau = 1: exactly 1)
+        self.last_seen: dict[Arm, int] = {}  # decision count when each candidate last ran
         self.decisions = 0
-        self.tau = taus.default
-        self._exploring: tuple[float, int] | None = None  # (tau, steps left)
+        self.arm: Arm = taus.default  # the last choice
+        self._exploring: tuple[Arm, int] | None = None  # (arm, steps left)
+
+    @property
+    def tau(self) -> float:
+        """The tau a policy row decodes at now (the lossless mode's output is tau = 1.0's)."""
+        return 1.0 if self.arm == LOSSLESS else self.arm
 
     # -- measurements ------------------------------------------------------------------------------
-    def observe(self, batch: int, slots: int, seconds: float | None, accepted: dict[float, tuple[int, int]]) -> None:
-        """One iteration of ``batch`` rows reading ``slots`` slots each took ``seconds`` (None: a step with a
-        joining prompt, whose cost is not a decoding step's); ``accepted[tau] = (tokens, rows)`` for the rows
-        at each tau."""
+    def observe(self, batch: int, slots: int, seconds: float | None, accepted: dict[Arm, tuple[int, int]]) -> None:
+        """One iteration of ``batch`` rows reading ``slots`` slots each (2B-1: some row is lossless) took
+        ``seconds`` (None: a step with a joining prompt, whose cost is not a decoding step's);
+        ``accepted[arm] = (tokens, rows)`` for the rows at each tau and in the lossless mode."""
         if seconds is not None:
             recent = self._recent.setdefault((batch, slots), deque(maxlen=self.cost_samples))
             recent.append(seconds)
             self.cost[(batch, slots)] = statistics.median(recent)
-        for tau, (tokens, rows) in accepted.items():
-            if rows and tau < 1.0 and tau in self.candidates:  # a request's own tau is not a candidate
-                old = self.tpf.get(tau)
+        for arm, (tokens, rows) in accepted.items():
+            if rows and arm != 1.0 and arm in self.candidates:  # a request's own tau is not a candidate
+                old = self.tpf.get(arm)
                 value = tokens / rows
                 weight = min(1.0, rows * self.alpha / 4)  # a busy batch moves the average faster
-                self.tpf[tau] = value if old is None else old + weight * (value - old)
+                self.tpf[arm] = value if old is None else old + weight * (value - old)
 
     def step_cost(self, batch: int, slots: int) -> float | None:
         """The measured cost, else this batch size's cost at the other window scaled by the two windows'
@@ -117,69 +131,87 @@ class AdaptiveTau:
         return self.cost[(min(near)[1], slots)] if near else None
 
     # -- decision ----------------------------------------------------------------------------------
-    def predict(self, tau: float, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
-                masks: bool = False) -> float | None:
-        """Predicted generated tokens/s of the batch if its policy rows decode at ``tau`` (``masks``: some
-        other row reads masks anyway, a lossless one)."""
-        if tau not in self.tpf:
+    def predict(self, arm: Arm, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
+                lossless_rows: int = 0) -> float | None:
+        """Predicted generated tokens/s of the batch if its policy rows decode at ``arm`` (``lossless_rows``:
+        rows that asked for the lossless mode themselves)."""
+        if arm not in self.tpf:
             return None
-        slots = block_size if block_size and (masks or tau < 1.0 or any(t < 1.0 for t in fixed_taus)) else 1
-        cost = self.step_cost(policy_rows + len(fixed_taus), slots)
+        if arm == LOSSLESS or lossless_rows:
+            slots = 2 * block_size - 1
+        elif arm < 1.0 or any(t < 1.0 for t in fixed_taus):
+            slots = block_size
+        else:
+            slots = 1
+        cost = self.step_cost(policy_rows + len(fixed_taus) + lossless_rows, slots)
         if not cost:
             return None
-        return (policy_rows * self.tpf[tau] + sum(self._tpf_near(t) for t in fixed_taus)) / cost
+        named = sum(self._tpf_near(t) for t in fixed_taus) + lossless_rows * self.tpf.get(LOSSLESS, 1.0)
+        return (policy_rows * self.tpf[arm] + named) / cost
 
     def _tpf_near(self, tau: float) -> float:
-        """A named tau's tokens/forward: that of the nearest measured candidate (1.0 while none is)."""
-        known = [t for t in self.tpf if t in self.candidates or t == 1.0]
+        """A named tau's tokens/forward: that of the nearest measured candidate tau (1.0 while none is)."""
+        known = [t for t in self.tpf if t != LOSSLESS and (t in self.candidates or t == 1.0)]
         return self.tpf[min(known, key=lambda t: abs(t - tau))] if tau < 1.0 and known else 1.0
 
+    def _open(self, greedy: bool) -> list[Arm]:
+        return self.candidates if greedy else [a for a in self.candidates if a != LOSSLESS]
+
     def choose(self, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
-               masks: bool = False) -> float:
-        """The tau for the next step's policy rows; ``fixed_taus``: the other tau rows' own taus."""
+               lossless_rows: int = 0, greedy: bool = True) -> Arm:
+        """The arm for the next step's policy rows (a tau, or LOSSLESS); ``fixed_taus``: the other tau rows'
+        own taus; ``greedy``: every policy row is greedy (else the lossless mode is not a candidate)."""
         if not policy_rows or not block_size or block_size < 2:
-            return self.tau
+            return self.arm
         self.decisions += 1
+        open_ = self._open(greedy)
         if self._exploring is not None:
-            tau, left = self._exploring
-            self._exploring = (tau, left - 1) if left > 1 else None
-            return self._use(tau)
-        best = self.best(fixed_taus, policy_rows, block_size, masks)
-        if best is None:  # measure before judging: the lowest unmeasured tau first (the widest window)
-            unknown = [t for t in self.candidates
-                       if self.predict(t, fixed_taus, policy_rows, block_size, masks) is None]
-            return self._explore(min(unknown))
+            arm, left = self._exploring
+            self._exploring = (arm, left - 1) if left > 1 else None
+            if arm in open_:
+                return self._use(arm)
+            self._exploring = None
+        best = self.best(fixed_taus, policy_rows, block_size, lossless_rows, greedy)
+        if best is None:  # measure before judging: the widest unmeasured window first
+            unknown = [a for a in open_ if self.predict(a, fixed_taus, policy_rows, block_size, lossless_rows) is None]
+            return self._explore(min(unknown, key=_width_order))
         if self.decisions % self.explore_every == 0:
-            return self._explore(min(self.candidates, key=lambda t: self.last_seen.get(t, -1)))
+            return self._explore(min(open_, key=lambda a: self.last_seen.get(a, -1)))
         return self._use(best)
 
     def best(self, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
-             masks: bool = False) -> float | None:
-        """The candidate with the highest predicted tokens/s (ties: the higher tau); None while some
-        candidate is unmeasured."""
-        scores = {t: self.predict(t, fixed_taus, policy_rows, block_size, masks) for t in self.candidates}
+             lossless_rows: int = 0, greedy: bool = True) -> Arm | None:
+        """The candidate with the highest predicted tokens/s (ties: the narrower window); None while
+        some candidate is unmeasured."""
+        scores = {a: self.predict(a, fixed_taus, policy_rows, block_size, lossless_rows) for a in self._open(greedy)}
         if any(v is None for v in scores.values()):
             return None
-        return max(scores, key=lambda t: (scores[t], t))
+        return max(scores, key=lambda a: (scores[a], _width_order(a)))
 
-    def _explore(self, tau: float) -> float:
-        self._exploring = (tau, self.explore_steps - 1) if self.explore_steps > 1 else None
-        return self._use(tau)
+    def _explore(self, arm: Arm) -> Arm:
+        self._exploring = (arm, self.explore_steps - 1) if self.explore_steps > 1 else None
+        return self._use(arm)
 
-    def _use(self, tau: float) -> float:
-        self.last_seen[tau] = self.decisions
-        self.tau = tau
-        return tau
+    def _use(self, arm: Arm) -> Arm:
+        self.last_seen[arm] = self.decisions
+        self.arm = arm
+        return arm
 
     def snapshot(self) -> dict:
-        return {"policy": self.name, "tau": self.tau,
+        return {"policy": self.name, "tau": self.tau, "arm": str(self.arm),
                 "step_seconds": {f"{b}x{w}": s for (b, w), s in sorted(self.cost.items())},
-                "tokens_per_forward": {str(t): v for t, v in sorted(self.tpf.items())}}
+                "tokens_per_forward": {str(a): v for a, v in sorted(self.tpf.items(), key=lambda kv: _width_order(kv[0]))}}
 
 
-def make_policy(kind: Literal["fixed", "adaptive"], taus: TauRange):
+def _width_order(arm: Arm) -> float:
+    """Lower first: the lossless mode (the widest window), then the taus from low to high."""
+    return -1.0 if arm == LOSSLESS else arm
+
+
+def make_policy(kind: Literal["fixed", "adaptive"], taus: TauRange, *, lossless: bool = False):
+    """``lossless``: the adaptive policy may put greedy rows in the lossless mode (see the module docstring)."""
     if kind == "fixed":
         return FixedTau(taus)
     if kind == "adaptive":
-        return AdaptiveTau(taus)
+        return AdaptiveTau(taus, lossless=lossless)
     raise ConfigError(f"tau_policy: must be one of {', '.join(POLICIES)}, got {kind!r}")
