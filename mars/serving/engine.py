@@ -96,6 +96,7 @@ class Engine:
         self.batch = self._new_batch()
         self.waiting: deque[tuple[DecodeRow, RequestHandle]] = deque()
         self.handles: dict[int, RequestHandle] = {}  # id(row) -> handle, rows in the batch
+        self._lossless_before: set[int] = set()  # id(row) of the rows the last step decoded in the lossless mode
         self.cv = threading.Condition()
         self.accepting, self.stopping = True, False
         self.thread = threading.Thread(target=self._run, name=f"mars-engine-{model.name}-{model.version}", daemon=True)
@@ -207,9 +208,13 @@ class Engine:
         # the cost class of the step: 1, B, or 2B-1 while a lossless row drafts (its window is the widest)
         slots = 2 * b_size - 1 if b_size > 1 and any(u.row.lossless for u in updates) else batch.last_slots
         accepted: dict = {}
+        joined = {id(r) for r in joining}
         for u in updates:
+            if u.row.lossless and id(u.row) not in self._lossless_before and id(u.row) not in joined:
+                continue  # just moved into the lossless mode: a step without drafts, a cost of the move
             entry = accepted.setdefault(LOSSLESS if u.row.lossless else u.row.tau, [0, 0])
             entry[0], entry[1] = entry[0] + len(u.new_tokens), entry[1] + 1
+        self._lossless_before = {id(u.row) for u in updates if u.row.lossless and not u.done}
         decoding = not joining  # a joining row's first window is its whole prompt: not a decoding step's cost
         self.policy.observe(rows, slots, seconds if decoding else None, {t: tuple(v) for t, v in accepted.items()})
         if self.metrics is not None:

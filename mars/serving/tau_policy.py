@@ -14,6 +14,10 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   generated tokens per second of the whole batch: sum over rows of tokens/forward at the row's tau,
   divided by the step cost at the batch size and the window that tau needs. Rows that named their tau
   keep it; they count in the prediction as they are.
+* tokens/forward per candidate is the mean over its last ``tpf_samples`` row-steps. A row moved into the
+  lossless mode has no drafts for one step (it yields one token): the engine leaves that step out of the
+  lossless mode's tokens/forward, and the policy moves rows into or out of the lossless mode only for a
+  predicted gain above ``switch_margin``.
 * with ``lossless`` one more candidate is the lossless mode (:mod:`mars.decoding.loop`): tau = 1.0's
   greedy output with the mask slots as verified drafts, so it costs no score at all. Its window is the
   widest (the last token, B-1 drafts, B-1 masks: 2B-1 slots), so it wins where a wide step is cheap (few
@@ -79,14 +83,20 @@ class AdaptiveTau:
 
     name = "adaptive"
 
-    def __init__(self, taus: TauRange, *, alpha: float = 0.2, cost_samples: int = 15, explore_steps: int = 3,
-                 explore_every: int = 150, candidates: Sequence[float] | None = None, lossless: bool = False):
+    def __init__(self, taus: TauRange, *, tpf_samples: int = 32, cost_samples: int = 15, explore_steps: int = 3,
+                 explore_every: int = 150, switch_margin: float = 0.05, candidates: Sequence[float] | None = None,
+                 lossless: bool = False):
         self.taus = taus
         self.candidates: list[Arm] = sorted(candidates) if candidates else taus.candidates()
         if lossless:
             self.candidates.append(LOSSLESS)
-        self.alpha, self.cost_samples = alpha, cost_samples  # alpha: the tokens/forward moving average's rate
+        # tokens/forward of an arm: over its last `tpf_samples` row-steps (a step of 16 rows counts 16)
+        self.tpf_samples, self.cost_samples = tpf_samples, cost_samples
+        self._accepted: dict[Arm, deque] = {}
         self.explore_steps, self.explore_every = explore_steps, explore_every
+        # moving rows into or out of the lossless mode costs a step without drafts: only for a gain above this
+        self.switch_margin = switch_margin
+        self._settled: Arm = taus.default  # the last choice that was not an exploration
         self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
         self._recent: dict[tuple[int, int], deque] = {}
         self.tpf: dict[Arm, float] = {1.0: 1.0}  # arm -> tokens per row and forward (tau = 1: exactly 1)
@@ -111,10 +121,11 @@ class AdaptiveTau:
             self.cost[(batch, slots)] = statistics.median(recent)
         for arm, (tokens, rows) in accepted.items():
             if rows and arm != 1.0 and arm in self.candidates:  # a request's own tau is not a candidate
-                old = self.tpf.get(arm)
-                value = tokens / rows
-                weight = min(1.0, rows * self.alpha / 4)  # a busy batch moves the average faster
-                self.tpf[arm] = value if old is None else old + weight * (value - old)
+                window = self._accepted.setdefault(arm, deque())
+                window.append((tokens, rows))
+                while sum(r for _, r in window) - window[0][1] >= self.tpf_samples:
+                    window.popleft()
+                self.tpf[arm] = sum(t for t, _ in window) / sum(r for _, r in window)
 
     def step_cost(self, batch: int, slots: int) -> float | None:
         """The measured cost, else this batch size's cost at the other window scaled by the two windows'
@@ -177,6 +188,12 @@ class AdaptiveTau:
             return self._explore(min(unknown, key=_width_order))
         if self.decisions % self.explore_every == 0:
             return self._explore(min(open_, key=lambda a: self.last_seen.get(a, -1)))
+        settled = self._settled
+        if (best == LOSSLESS) != (settled == LOSSLESS) and settled in open_:
+            now = self.predict(settled, fixed_taus, policy_rows, block_size, lossless_rows)
+            if now and self.predict(best, fixed_taus, policy_rows, block_size, lossless_rows) < now * (1 + self.switch_margin):
+                best = settled
+        self._settled = best
         return self._use(best)
 
     def best(self, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
@@ -189,7 +206,8 @@ class AdaptiveTau:
         return max(scores, key=lambda a: (scores[a], _width_order(a)))
 
     def _explore(self, arm: Arm) -> Arm:
-        self._exploring = (arm, self.explore_steps - 1) if self.explore_steps > 1 else None
+        steps = self.explore_steps + (arm == LOSSLESS)  # its first step has no drafts yet (not counted)
+        self._exploring = (arm, steps - 1) if steps > 1 else None
         return self._use(arm)
 
     def _use(self, arm: Arm) -> Arm:
