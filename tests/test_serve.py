@@ -496,6 +496,20 @@ def test_the_lossless_mode_is_a_candidate_for_greedy_rows_where_its_widest_windo
     assert AdaptiveTau(taus).candidates == [0.5, 0.75, 0.9, 1.0]  # off unless asked for
 
 
+def test_rows_move_into_or_out_of_the_lossless_mode_only_for_a_gain_above_the_margin():
+    """A move costs a step without drafts, so a 3% predicted gain keeps the rows where they are and a
+    10% one moves them."""
+    for gain, moves in ((1.03, False), (1.10, True)):
+        policy = AdaptiveTau(TauRange(default=1.0, floor=1.0), lossless=True, explore_every=10 ** 6)
+        for arm, tpf in ((LOSSLESS, 1.5), (1.0, 1.0)):
+            policy._explore(arm)
+            policy.observe(1, 2 * B - 1 if arm == LOSSLESS else 1, 0.010 * 1.5 if arm == LOSSLESS else 0.010,
+                           {arm: (int(tpf * 100), 100)})
+        policy._exploring, policy._settled = None, 1.0
+        policy.cost[(1, 2 * B - 1)] = 0.010 * 1.5 / gain  # the lossless step now measures cheaper: `gain` ahead
+        assert (policy.choose([], 1, B) == LOSSLESS) is moves, gain
+
+
 def test_an_unmeasured_step_cost_is_scaled_from_the_nearest_measured_windows():
     policy = AdaptiveTau(TauRange(default=0.9, floor=0.5))
     policy.observe(4, 1, 0.010, {})
