@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The smollm2 profile, shrunk: 3 pool prompts x 2 families, 16-token answers, 2 steps, 2 verifier items x 2 families
 SHRINK = [
-    "profile=smollm2", "tasks.n_train=3", "tasks.n_heldout=2",
+    "profile=smollm2", "profiles.smollm2.tasks.n_train=3", "tasks.n_heldout=2",
     "profiles.smollm2.distill.max_new_tokens=16", "profiles.smollm2.distill.hit_limit=keep",
     "profiles.smollm2.distill.dtype=float32",  # fp32: greedy tokens do not depend on the batch, so tau=1 re-decodes them
     "profiles.smollm2.data.n_heldout=2",
