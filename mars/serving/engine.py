@@ -96,7 +96,7 @@ class Engine:
         self.batch = self._new_batch()
         self.waiting: deque[tuple[DecodeRow, RequestHandle]] = deque()
         self.handles: dict[int, RequestHandle] = {}  # id(row) -> handle, rows in the batch
-        self._setting_before: dict[int, tuple] = {}  # id(row) -> (lossless, tau) it decoded at the last step
+        self._lossless_before: set[int] = set()  # id(row) of the rows the last step decoded in the lossless mode
         self.cv = threading.Condition()
         self.accepting, self.stopping = True, False
         self.thread = threading.Thread(target=self._run, name=f"mars-engine-{model.name}-{model.version}", daemon=True)
@@ -210,14 +210,11 @@ class Engine:
         accepted: dict = {}
         joined = {id(r) for r in joining}
         for u in updates:
-            setting = (u.row.lossless, u.row.tau)
-            if id(u.row) not in joined and self._setting_before.get(id(u.row)) != setting:
-                # just moved to this setting (a move into the lossless mode starts without drafts): the
-                # step measures the move, not the setting
-                continue
+            if u.row.lossless and id(u.row) not in self._lossless_before and id(u.row) not in joined:
+                continue  # just moved into the lossless mode: a step without drafts, a cost of the move
             entry = accepted.setdefault(LOSSLESS if u.row.lossless else u.row.tau, [0, 0])
             entry[0], entry[1] = entry[0] + len(u.new_tokens), entry[1] + 1
-        self._setting_before = {id(u.row): (u.row.lossless, u.row.tau) for u in updates if not u.done}
+        self._lossless_before = {id(u.row) for u in updates if u.row.lossless and not u.done}
         decoding = not joining  # a joining row's first window is its whole prompt: not a decoding step's cost
         self.policy.observe(rows, slots, seconds if decoding else None, {t: tuple(v) for t, v in accepted.items()})
         if self.metrics is not None:

@@ -14,9 +14,7 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   generated tokens per second of the whole batch: sum over rows of tokens/forward at the row's tau,
   divided by the step cost at the batch size and the window that tau needs. Rows that named their tau
   keep it; they count in the prediction as they are.
-* tokens/forward per candidate is the mean over its last ``tpf_samples`` row-steps, and a candidate
-  measured on fewer than half as many is tried again before the policy judges by it (a few steps at
-  start-up, while every row is joining, say little of a tau's steady yield). A row moved into the
+* tokens/forward per candidate is the mean over its last ``tpf_samples`` row-steps. A row moved into the
   lossless mode has no drafts for one step (it yields one token): the engine leaves that step out of the
   lossless mode's tokens/forward, and the policy moves rows into or out of the lossless mode only for a
   predicted gain above ``switch_margin``.
@@ -129,9 +127,6 @@ class AdaptiveTau:
                     window.popleft()
                 self.tpf[arm] = sum(t for t, _ in window) / sum(r for _, r in window)
 
-    def _samples(self, arm: Arm) -> int:
-        return sum(rows for _, rows in self._accepted.get(arm, ()))
-
     def step_cost(self, batch: int, slots: int) -> float | None:
         """The measured cost, else this batch size's cost at the other window scaled by the two windows'
         ratio at the nearest batch size where both were measured, else the nearest batch size's at this window."""
@@ -151,8 +146,8 @@ class AdaptiveTau:
                 lossless_rows: int = 0) -> float | None:
         """Predicted generated tokens/s of the batch if its policy rows decode at ``arm`` (``lossless_rows``:
         rows that asked for the lossless mode themselves)."""
-        if arm not in self.tpf or (arm != 1.0 and self._samples(arm) < self.tpf_samples // 2):
-            return None  # unmeasured, or measured on too few row-steps to judge by
+        if arm not in self.tpf:
+            return None
         if arm == LOSSLESS or lossless_rows:
             slots = 2 * block_size - 1
         elif arm < 1.0 or any(t < 1.0 for t in fixed_taus):
