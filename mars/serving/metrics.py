@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from mars.serving.tau_policy import LOSSLESS
+
 
 class ServerMetrics:
     def __init__(self):
@@ -45,7 +47,7 @@ class ServerMetrics:
         self.step_seconds.observe(seconds)
         self.queue_depth.set(queue_depth)
         self.tau.set(policy.tau)
-        self.lossless.set(getattr(policy, "arm", None) == "lossless")
+        self.lossless.set(getattr(policy, "arm", None) == LOSSLESS)
         snap = getattr(policy, "cost", None)
         if decoding and snap is not None and (rows, slots) in snap:
             self.step_cost.labels(str(rows), str(slots)).set(snap[(rows, slots)])

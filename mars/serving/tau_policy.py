@@ -182,16 +182,16 @@ class AdaptiveTau:
             if arm in open_:
                 return self._use(arm)
             self._exploring = None
-        best = self.best(fixed_taus, policy_rows, block_size, lossless_rows, greedy)
+        scores = {a: self.predict(a, fixed_taus, policy_rows, block_size, lossless_rows) for a in open_}
+        best = _best(scores)
         if best is None:  # measure before judging: the widest unmeasured window first
-            unknown = [a for a in open_ if self.predict(a, fixed_taus, policy_rows, block_size, lossless_rows) is None]
-            return self._explore(min(unknown, key=_width_order))
+            return self._explore(min((a for a, v in scores.items() if v is None), key=_width_order))
         if self.decisions % self.explore_every == 0:
             return self._explore(min(open_, key=lambda a: self.last_seen.get(a, -1)))
         settled = self._settled
-        if (best == LOSSLESS) != (settled == LOSSLESS) and settled in open_:
-            now = self.predict(settled, fixed_taus, policy_rows, block_size, lossless_rows)
-            if now and self.predict(best, fixed_taus, policy_rows, block_size, lossless_rows) < now * (1 + self.switch_margin):
+        if (best == LOSSLESS) != (settled == LOSSLESS) and settled in scores:
+            now = scores[settled]
+            if now and scores[best] < now * (1 + self.switch_margin):
                 best = settled
         self._settled = best
         return self._use(best)
@@ -200,10 +200,8 @@ class AdaptiveTau:
              lossless_rows: int = 0, greedy: bool = True) -> Arm | None:
         """The candidate with the highest predicted tokens/s (ties: the narrower window); None while
         some candidate is unmeasured."""
-        scores = {a: self.predict(a, fixed_taus, policy_rows, block_size, lossless_rows) for a in self._open(greedy)}
-        if any(v is None for v in scores.values()):
-            return None
-        return max(scores, key=lambda a: (scores[a], _width_order(a)))
+        return _best({a: self.predict(a, fixed_taus, policy_rows, block_size, lossless_rows)
+                      for a in self._open(greedy)})
 
     def _explore(self, arm: Arm) -> Arm:
         steps = self.explore_steps + (arm == LOSSLESS)  # its first step has no drafts yet (not counted)
@@ -219,6 +217,12 @@ class AdaptiveTau:
         return {"policy": self.name, "tau": self.tau, "arm": str(self.arm),
                 "step_seconds": {f"{b}x{w}": s for (b, w), s in sorted(self.cost.items())},
                 "tokens_per_forward": {str(a): v for a, v in sorted(self.tpf.items(), key=lambda kv: _width_order(kv[0]))}}
+
+
+def _best(scores: dict[Arm, float | None]) -> Arm | None:
+    if any(v is None for v in scores.values()):
+        return None
+    return max(scores, key=lambda a: (scores[a], _width_order(a)))
 
 
 def _width_order(arm: Arm) -> float:

@@ -11,7 +11,8 @@ The base model's chat template is applied: the prompt is every turn before the l
 rendered with ``add_generation_prompt=True``; the response is the last assistant text + EOS. A row whose
 ``finish_reason`` is ``"length"`` (``mars distill``'s field, OpenAI's name: the generator hit its token
 limit) is a cut-off response and gets no EOS: the model learns to go on there, not to stop (counted as
-``unterminated``). Both are tokenized once; the shards hold ``input_ids`` and ``prompt_len`` only, so one prepare serves every B.
+``unterminated``). Both are tokenized once; the shards hold ``input_ids`` and ``prompt_len`` only, so one
+prepare serves every B.
 
 Bad rows are never dropped silently: bad JSON, non-UTF-8 bytes, wrong types, a missing or empty
 response, an over-long example each count under their reason in ``stats.json`` (with the first rows
