@@ -6,6 +6,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import uuid
 from pathlib import Path
@@ -230,10 +231,18 @@ def test_an_unprivileged_user_gets_the_same_isolation():
              "iso = isolation()\nprint('isolation', iso.private_root, iso.dedicated_uid, iso.reason)\n"
              "r = run_python(sys.argv[1], SandboxLimits(timeout_s=10, guard=False))\n"
              "print('program', r.status, r.stdout, r.stderr[-300:])\n")
-    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
-                           "-c", probe, program], capture_output=True, text=True, timeout=120, cwd="/",
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/nonexistent",
-                               "MARS_PROBE_TOKEN": "probe-env-secret"})
+    # the other user imports mars from a world-readable copy: a checkout under `mktemp -d` (mode 0700, as a
+    # CI clone may be) is closed to it
+    readable = Path(tempfile.mkdtemp(prefix="mars-probe-"))
+    try:
+        os.chmod(readable, 0o755)
+        shutil.copytree(REPO / "mars", readable / "mars", ignore=shutil.ignore_patterns("__pycache__"))
+        proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                               "-c", probe, program], capture_output=True, text=True, timeout=120, cwd="/",
+                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(readable), "HOME": "/nonexistent",
+                                   "MARS_PROBE_TOKEN": "probe-env-secret"})
+    finally:
+        shutil.rmtree(readable)
     assert proc.returncode == 0, proc.stderr
     assert "isolation True False" in proc.stdout, proc.stdout
     assert "program passed" in proc.stdout and "refused /etc/passwd" in proc.stdout
