@@ -121,3 +121,35 @@ def test_compute_loss_backward_is_finite_and_ar_loss_matches_hf(attn):
     with torch.no_grad():
         hf = model(input_ids=ids, labels=labels).loss
     assert torch.allclose(single.l_ar, hf, atol=1e-5)
+
+
+def test_kl_ar_loss_is_the_divergence_from_the_teacher_and_zero_against_itself():
+    logits, targets = torch.randn(6, 10), torch.randint(0, 10, (6,))
+    streams = torch.tensor([CLEAN, CLEAN, NOISY, NOISY, NOISY, CLEAN])
+    ce = mars_loss(logits, targets, streams, w_ar=2.0)
+    teacher = torch.randn(3, 10)
+    kl = mars_loss(logits, targets, streams, w_ar=2.0, teacher_logits=teacher)
+    log_p, log_q = logits[[0, 1, 5]].log_softmax(-1), teacher.log_softmax(-1)
+    assert torch.allclose(kl.l_ar, (log_q.exp() * (log_q - log_p)).sum(-1).mean())
+    assert torch.allclose(kl.l_mask, ce.l_mask)  # the mask slots still learn the data's tokens
+    assert torch.allclose(kl.loss, kl.l_mask + 2.0 * kl.l_ar)
+    itself = mars_loss(logits, targets, streams, teacher_logits=logits[[0, 1, 5]])
+    assert abs(float(itself.l_ar)) < 1e-6
+    with pytest.raises(ValueError, match="teacher_logits"):
+        mars_loss(logits, targets, streams, teacher_logits=teacher[:2])
+
+
+def test_the_clean_view_gives_the_clean_streams_outputs_and_a_teacher_equal_to_the_model_gives_zero_l_ar():
+    from mars.core.loss import target_logits
+
+    model = tiny_model("llama", "sdpa").eval()
+    exs = [{"input_ids": list(range(3, 20)), "prompt_len": 5}, {"input_ids": list(range(7, 17)), "prompt_len": 6}]
+    batch = _mars(exs, block_offset="random", generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dual, _ = target_logits(model, batch)
+        clean, targets = target_logits(model, batch.clean_view())
+        streams = batch.stream[batch.labels != IGNORE]
+        assert torch.allclose(dual[streams == CLEAN], clean, atol=1e-5)
+        assert torch.equal(targets, batch.labels[batch.labels != IGNORE][streams == CLEAN])
+        out = compute_loss(model, batch, teacher=model)
+    assert abs(float(out.l_ar)) < 1e-5 and float(out.l_mask) > 0

@@ -57,6 +57,16 @@ class DualStreamBatch:
             clean_len=self.clean_len,
         )
 
+    def clean_view(self) -> "DualStreamBatch":
+        """The clean stream alone: the ``ar`` batch of the same examples (the clean stream attends to
+        nothing else, so a model's outputs there are the same in either batch)."""
+        c = (slice(None), slice(0, self.clean_len))
+        lay = self.layout
+        return DualStreamBatch(
+            input_ids=self.input_ids[c], position_ids=self.position_ids[c], labels=self.labels[c],
+            layout=TokenLayout(lay.stream[c], lay.position[c], lay.block[c], lay.valid[c]), clean_len=self.clean_len,
+        )
+
     def num_targets(self) -> dict[str, int]:
         has = self.labels != IGNORE
         return {"ar": int((has & (self.stream == CLEAN)).sum()), "mask": int((has & (self.stream == NOISY)).sum())}

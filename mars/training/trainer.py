@@ -92,6 +92,9 @@ class MarsStageConfig(StageConfig):
     w_ar: float = 1.0  # weight of L_AR; 0 is the paper's ablation
     block_offset: Literal["fixed", "random"] = "random"  # random: blocks start at a random shift in [0, B)
     drop_prompt: bool = True  # skip the noisy copy of the prompt (no loss there; ~same result, less compute)
+    # L_AR: ce on the data's tokens, or kl from the stage's initial model (frozen; mars.core.loss). ar_control
+    # keeps ce: it is the plain fine-tune MARS is compared with.
+    ar_loss: Literal["ce", "kl"] = "ce"
 
     def __post_init__(self):
         super().__post_init__()
@@ -392,9 +395,9 @@ class LossModel(torch.nn.Module):
         self.attn_implementation = attn_implementation
         self._no_split_modules = getattr(lm, "_no_split_modules", None)  # FSDP auto-wrap reads it
 
-    def forward(self, batch: DualStreamBatch, w_ar: float, denominators: tuple[float, float]):
+    def forward(self, batch: DualStreamBatch, w_ar: float, denominators: tuple[float, float], teacher=None):
         out = compute_loss(self.lm, batch, w_ar=w_ar, attn_implementation=self.attn_implementation,
-                           denominators=denominators)
+                           denominators=denominators, teacher=teacher)
         return out.loss, out.l_mask.detach(), out.l_ar.detach()
 
 
@@ -501,6 +504,11 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
         check_tokenizer(data_meta, tokenizer)  # the data's token ids must mean the same here
     init_info = CheckpointInfo.from_config(model.config)
     base = init_info.base if init_info is not None and init_info.base else str(init)
+    teacher = None
+    if objective == "mars" and cfg.mars.ar_loss == "kl":
+        # a plain frozen copy, outside what accelerate wraps: nothing of it is trained or synchronised
+        teacher, _ = load_model(init, attn_implementation=cfg.attn_implementation)
+        teacher = teacher.eval().requires_grad_(False).to(accelerator.device)
     model = LossModel(model.train(), cfg.attn_implementation)
     optimizer = torch.optim.AdamW(model.parameters(), lr=stage_cfg.lr or cfg.lr, betas=tuple(cfg.betas),
                                   eps=cfg.eps, weight_decay=cfg.weight_decay)
@@ -562,7 +570,7 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
             l_mask = l_ar = 0.0
             for batch in batches:
                 with accelerator.accumulate(model), accelerator.autocast():
-                    loss_t, l_mask_t, l_ar_t = model(batch, w_ar, denominators)
+                    loss_t, l_mask_t, l_ar_t = model(batch, w_ar, denominators, teacher)
                     accelerator.backward(loss_t * scale)
                     if accelerator.sync_gradients and cfg.max_grad_norm:
                         accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
