@@ -22,7 +22,10 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   greedy output with the mask slots as verified drafts, so it costs no score at all. Its window is the
   widest (the last token, B-1 drafts, B-1 masks: 2B-1 slots), so it wins where a wide step is cheap (few
   rows) and gives way to a tau or to plain tau = 1 where it is not. Only greedy rows can take it: while a
-  policy row samples, the candidates are the taus.
+  policy row samples, the candidates are the taus. It is where the policy starts settled: it costs no score,
+  so a tau must predict more than ``switch_margin`` above it to take the rows out (on SmolLM2 in bf16 it
+  was the fastest fixed setting at every load; at 16 rows plain tau = 1 predicted within a few percent of it
+  and, settled from the release's tau, the policy spent part of a bursty trace there).
 
 Unmeasured candidates are tried first (each for a few steps), and every ``explore_every``-th decision
 re-measures the candidate measured longest ago, so the estimates follow the load. A step cost not yet
@@ -83,7 +86,7 @@ class AdaptiveTau:
 
     name = "adaptive"
 
-    def __init__(self, taus: TauRange, *, tpf_samples: int = 32, cost_samples: int = 15, explore_steps: int = 3,
+    def __init__(self, taus: TauRange, *, tpf_samples: int = 128, cost_samples: int = 15, explore_steps: int = 3,
                  explore_every: int = 150, switch_margin: float = 0.05, candidates: Sequence[float] | None = None,
                  lossless: bool = False):
         self.taus = taus
@@ -92,11 +95,11 @@ class AdaptiveTau:
             self.candidates.append(LOSSLESS)
         # tokens/forward of an arm: over its last `tpf_samples` row-steps (a step of 16 rows counts 16)
         self.tpf_samples, self.cost_samples = tpf_samples, cost_samples
-        self._accepted: dict[Arm, deque] = {}
+        self._accepted: dict[Arm, tuple[deque, list[int]]] = {}
         self.explore_steps, self.explore_every = explore_steps, explore_every
         # moving rows into or out of the lossless mode costs a step without drafts: only for a gain above this
         self.switch_margin = switch_margin
-        self._settled: Arm = taus.default  # the last choice that was not an exploration
+        self._settled: Arm = LOSSLESS if lossless else taus.default  # the last choice that was not an exploration
         self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
         self._recent: dict[tuple[int, int], deque] = {}
         self.tpf: dict[Arm, float] = {1.0: 1.0}  # arm -> tokens per row and forward (tau = 1: exactly 1)
@@ -121,11 +124,13 @@ class AdaptiveTau:
             self.cost[(batch, slots)] = statistics.median(recent)
         for arm, (tokens, rows) in accepted.items():
             if rows and arm != 1.0 and arm in self.candidates:  # a request's own tau is not a candidate
-                window = self._accepted.setdefault(arm, deque())
+                window, sums = self._accepted.setdefault(arm, (deque(), [0, 0]))  # sums: tokens, rows in it
                 window.append((tokens, rows))
-                while sum(r for _, r in window) - window[0][1] >= self.tpf_samples:
-                    window.popleft()
-                self.tpf[arm] = sum(t for t, _ in window) / sum(r for _, r in window)
+                sums[0], sums[1] = sums[0] + tokens, sums[1] + rows
+                while sums[1] - window[0][1] >= self.tpf_samples:
+                    old_tokens, old_rows = window.popleft()
+                    sums[0], sums[1] = sums[0] - old_tokens, sums[1] - old_rows
+                self.tpf[arm] = sums[0] / sums[1]
 
     def step_cost(self, batch: int, slots: int) -> float | None:
         """The measured cost, else this batch size's cost at the other window scaled by the two windows'
