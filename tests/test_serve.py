@@ -510,13 +510,21 @@ def test_rows_move_into_or_out_of_the_lossless_mode_only_for_a_gain_above_the_ma
         assert (policy.choose([], 1, B) == LOSSLESS) is moves, gain
 
 
-def test_an_unmeasured_step_cost_is_scaled_from_the_nearest_measured_windows():
-    policy = AdaptiveTau(TauRange(default=0.9, floor=0.5))
-    policy.observe(4, 1, 0.010, {})
-    policy.observe(4, B, 0.012, {})
-    policy.observe(16, 1, 0.020, {})
-    assert policy.step_cost(16, B) == pytest.approx(0.024)  # 16 rows at width 1, times the 4-row width ratio
-    assert policy.step_cost(8, B) == pytest.approx(0.012)  # no width-1 cost at 8 rows: the nearest at width B
+def test_a_thinly_measured_step_cost_is_read_off_a_line_through_the_windows_batch_sizes():
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.5), cell_samples=5)
+    for _ in range(5):
+        policy.observe(4, 1, 0.010, {})
+        policy.observe(8, 1, 0.014, {})
+        policy.observe(4, B, 0.012, {})
+    policy.observe(12, 1, 0.050, {})  # one sample at a batch size the load passed through: an outlier
+    assert policy.step_cost(4, 1) == pytest.approx(0.010)  # a well-measured cell: its own median
+    a, c = policy._line(1)
+    assert (a, c) == pytest.approx((0.006, 0.001))  # through the two well-measured cells
+    assert policy.step_cost(12, 1) == pytest.approx(0.018)  # not the one 50 ms sample
+    assert policy.step_cost(16, 1) == pytest.approx(a + 16 * c)
+    # one batch size measured at width B: scaled by the width-1 line's shape
+    assert policy.step_cost(16, B) == pytest.approx(0.012 * (a + 16 * c) / (a + 4 * c))
+    assert policy.step_cost(16, 2 * B - 1) is None  # a window never measured: explore it first
 
 
 def test_adaptive_server_decodes_unnamed_taus_between_the_floor_and_one(release, tmp_path):

@@ -28,8 +28,9 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   and, settled from the release's tau, the policy spent part of a bursty trace there).
 
 Unmeasured candidates are tried first (each for a few steps), and every ``explore_every``-th decision
-re-measures the candidate measured longest ago, so the estimates follow the load. A step cost not yet
-measured at this batch size is estimated from the nearest batch sizes measured (:meth:`AdaptiveTau.step_cost`).
+re-measures the candidate measured longest ago, so the estimates follow the load. A step cost measured
+only a few times at this batch size is read off a line through the window's measured batch sizes
+(:meth:`AdaptiveTau.step_cost`): under a changing load most batch sizes are visited for a step or two.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class AdaptiveTau:
 
     name = "adaptive"
 
-    def __init__(self, taus: TauRange, *, tpf_samples: int = 128, cost_samples: int = 15, explore_steps: int = 3,
+    def __init__(self, taus: TauRange, *, tpf_samples: int = 128, cost_samples: int = 15, cell_samples: int = 5,
+                 explore_steps: int = 3,
                  explore_every: int = 150, switch_margin: float = 0.05, candidates: Sequence[float] | None = None,
                  lossless: bool = False):
         self.taus = taus
@@ -94,7 +96,7 @@ class AdaptiveTau:
         if lossless:
             self.candidates.append(LOSSLESS)
         # tokens/forward of an arm: over its last `tpf_samples` row-steps (a step of 16 rows counts 16)
-        self.tpf_samples, self.cost_samples = tpf_samples, cost_samples
+        self.tpf_samples, self.cost_samples, self.cell_samples = tpf_samples, cost_samples, cell_samples
         self._accepted: dict[Arm, tuple[deque, list[int]]] = {}
         self.explore_steps, self.explore_every = explore_steps, explore_every
         # moving rows into or out of the lossless mode costs a step without drafts: only for a gain above this
@@ -102,6 +104,7 @@ class AdaptiveTau:
         self._settled: Arm = LOSSLESS if lossless else taus.default  # the last choice that was not an exploration
         self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
         self._recent: dict[tuple[int, int], deque] = {}
+        self._lines: dict[int, tuple[float, float] | None] = {}  # slots -> (a, c): see step_cost
         self.tpf: dict[Arm, float] = {1.0: 1.0}  # arm -> tokens per row and forward (tau = 1: exactly 1)
         self.last_seen: dict[Arm, int] = {}  # decision count when each candidate last ran
         self.decisions = 0
@@ -122,6 +125,7 @@ class AdaptiveTau:
             recent = self._recent.setdefault((batch, slots), deque(maxlen=self.cost_samples))
             recent.append(seconds)
             self.cost[(batch, slots)] = statistics.median(recent)
+            self._lines.pop(slots, None)
         for arm, (tokens, rows) in accepted.items():
             if rows and arm != 1.0 and arm in self.candidates:  # a request's own tau is not a candidate
                 window, sums = self._accepted.setdefault(arm, (deque(), [0, 0]))  # sums: tokens, rows in it
@@ -133,18 +137,45 @@ class AdaptiveTau:
                 self.tpf[arm] = sums[0] / sums[1]
 
     def step_cost(self, batch: int, slots: int) -> float | None:
-        """The measured cost, else this batch size's cost at the other window scaled by the two windows'
-        ratio at the nearest batch size where both were measured, else the nearest batch size's at this window."""
-        if (batch, slots) in self.cost:
+        """The cell's median once it holds ``cell_samples`` samples; else a line (seconds = a + c x batch,
+        least squares over this window's cells, each weighted by its samples) through every batch size
+        measured at this window, so that a batch size visited for a step or two (a load passing by) is read
+        off the window's whole record rather than one noisy sample; with one batch size measured at this
+        window, its cost scaled by another window's line; None while the window was never measured."""
+        recent = self._recent.get((batch, slots))
+        if recent is not None and len(recent) >= self.cell_samples:
             return self.cost[(batch, slots)]
-        for (b, w), seconds in self.cost.items():
-            if b == batch:
-                both = [(abs(b2 - batch), b2) for b2, w2 in self.cost if w2 == slots and (b2, w) in self.cost]
-                if both:
-                    near = min(both)[1]
-                    return seconds * self.cost[(near, slots)] / self.cost[(near, w)]
-        near = [(abs(b - batch), b) for b, w in self.cost if w == slots]
-        return self.cost[(min(near)[1], slots)] if near else None
+        line = self._line(slots)
+        if line is not None:
+            return line[0] + line[1] * batch
+        cells = [(abs(b - batch), b) for b, w in self.cost if w == slots]
+        if not cells:
+            return None
+        near = min(cells)[1]
+        shape = next((ln for w in sorted({w for _, w in self.cost}) if w != slots
+                      for ln in [self._line(w)] if ln is not None), None)
+        scale = (shape[0] + shape[1] * batch) / (shape[0] + shape[1] * near) if shape else 1.0
+        return self.cost[(near, slots)] * scale
+
+    def _line(self, slots: int) -> tuple[float, float] | None:
+        """(a, c) of seconds = a + c x batch at this window, through its well-measured cells where there
+        are two, else through all; None below two batch sizes. The slope is kept >= 0 (a step never gets
+        cheaper with more rows; a negative fit is noise)."""
+        if slots in self._lines:
+            return self._lines[slots]
+        cells = [(b, self.cost[(b, w)], len(self._recent[(b, w)])) for b, w in self.cost if w == slots]
+        trusted = [cell for cell in cells if cell[2] >= self.cell_samples]
+        cells = trusted if len(trusted) >= 2 else cells  # thin cells only shape the line while too few are not
+        line = None
+        if len(cells) >= 2:
+            total = sum(n for _, _, n in cells)
+            mean_b = sum(b * n for b, _, n in cells) / total
+            mean_s = sum(s * n for _, s, n in cells) / total
+            spread = sum(n * (b - mean_b) ** 2 for b, _, n in cells)
+            slope = max(0.0, sum(n * (b - mean_b) * (s - mean_s) for b, s, n in cells) / spread)
+            line = (mean_s - slope * mean_b, slope)
+        self._lines[slots] = line
+        return line
 
     # -- decision ----------------------------------------------------------------------------------
     def predict(self, arm: Arm, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
