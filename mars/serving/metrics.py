@@ -20,6 +20,7 @@ from mars.serving.tau_policy import LOSSLESS
 class ServerMetrics:
     def __init__(self):
         self.registry = registry = CollectorRegistry()
+        self._policy = None  # the tau policy of the last engine step
         self.queue_depth = Gauge("mars_queue_depth", "requests waiting for a batch row", registry=registry)
         self.running = Gauge("mars_running_requests", "requests decoding in the batch", registry=registry)
         self.tau = Gauge("mars_tau_in_use", "the tau policy's current tau (rows that named no tau)",
@@ -46,15 +47,12 @@ class ServerMetrics:
         self.tokens.inc(tokens)
         self.step_seconds.observe(seconds)
         self.queue_depth.set(queue_depth)
-        self.tau.set(policy.tau)
-        self.lossless.set(getattr(policy, "arm", None) == LOSSLESS)
+        self._policy = policy  # its tau and tokens/forward are read when /metrics is scraped (render)
         snap = getattr(policy, "cost", None)
         if decoding and snap is not None and (rows, slots) in snap:
             self.step_cost.labels(str(rows), str(slots)).set(snap[(rows, slots)])
         elif decoding:
             self.step_cost.labels(str(rows), str(slots)).set(seconds)
-        for tau, value in getattr(policy, "tpf", {}).items():
-            self.tokens_per_forward.labels(tau if isinstance(tau, str) else f"{tau:g}").set(value)
 
     def set_release(self, name: str, version: str | None, previous: tuple[str, str | None] | None = None):
         if previous is not None and previous != (name, version):
@@ -67,4 +65,10 @@ class ServerMetrics:
     def render(self, queue_depth: int, running: int) -> bytes:
         self.queue_depth.set(queue_depth)
         self.running.set(running)
+        policy = self._policy
+        if policy is not None:
+            self.tau.set(policy.tau)
+            self.lossless.set(getattr(policy, "arm", None) == LOSSLESS)
+            for tau, value in dict(getattr(policy, "tpf", {})).items():  # a copy: the engine thread writes it
+                self.tokens_per_forward.labels(tau if isinstance(tau, str) else f"{tau:g}").set(value)
         return generate_latest(self.registry)
