@@ -152,10 +152,11 @@ class AdaptiveTau:
         if not cells:
             return None
         near = min(cells)[1]
-        shape = next((ln for w in sorted({w for _, w in self.cost}) if w != slots
-                      for ln in [self._line(w)] if ln is not None), None)
-        scale = (shape[0] + shape[1] * batch) / (shape[0] + shape[1] * near) if shape else 1.0
-        return self.cost[(near, slots)] * scale
+        for other in sorted({w for _, w in self.cost} - {slots}):
+            shape = self._line(other)
+            if shape is not None:
+                return self.cost[(near, slots)] * (shape[0] + shape[1] * batch) / (shape[0] + shape[1] * near)
+        return self.cost[(near, slots)]
 
     def _line(self, slots: int) -> tuple[float, float] | None:
         """(a, c) of seconds = a + c x batch at this window, through its well-measured cells where there
