@@ -32,7 +32,6 @@ from mars.release.promote import promote
 from mars.release.store import open_store
 from mars.serving.config import ServeConfig
 from mars.serving.server import build, make_server
-from mars.serving.tau_policy import LOSSLESS, AdaptiveTau, TauRange
 
 B = 4
 NAME = "mars"
@@ -462,71 +461,6 @@ def test_hot_swap_under_load_loses_no_request_and_a_bad_release_keeps_the_old(tm
         live.stop()
 
 
-def test_adaptive_policy_lowers_tau_only_while_the_wide_window_pays():
-    taus = TauRange(default=0.9, floor=0.5)
-    cheap, dear = AdaptiveTau(taus), AdaptiveTau(taus)
-    for policy, wide in ((cheap, 0.012), (dear, 0.040)):
-        for _ in range(200):  # measure: a 1-token step costs 10 ms, a B-token step `wide`
-            tau = policy.choose([], 4, B)
-            tpf = {1.0: 1.0, 0.9: 1.4, 0.75: 1.8, 0.5: 2.2}[tau]
-            policy.observe(4, B if tau < 1 else 1, wide if tau < 1 else 0.010, {tau: (int(tpf * 40), 40)})
-    assert cheap.best([], 4, B) == 0.5  # 2.2 tokens per 12 ms beats 1 per 10 ms
-    assert dear.best([], 4, B) == 1.0  # 2.2 tokens per 40 ms loses to 1 per 10 ms
-    assert set(cheap.candidates) == {0.5, 0.75, 0.9, 1.0}
-
-
-def test_the_lossless_mode_is_a_candidate_for_greedy_rows_where_its_widest_window_pays():
-    """tau = 1.0's output at 1.9 tokens/forward beats tau = 0.5's 1.6 while the (2B-1)-slot window costs
-    little more than the B-slot one, and gives way to a tau where it does not; a sampling policy row never
-    takes it."""
-    taus = TauRange(default=0.9, floor=0.5)
-    costs = {"few rows": {1: 0.010, B: 0.011, 2 * B - 1: 0.0115}, "many rows": {1: 0.010, B: 0.015, 2 * B - 1: 0.030}}
-    picked = {}
-    for load, cost in costs.items():
-        policy = AdaptiveTau(taus, lossless=True)
-        for _ in range(300):
-            arm = policy.choose([], 4, B)
-            slots = 2 * B - 1 if arm == LOSSLESS else B if arm < 1 else 1
-            tpf = {LOSSLESS: 1.9, 1.0: 1.0, 0.9: 1.3, 0.75: 1.45, 0.5: 1.6}[arm]
-            policy.observe(4, slots, cost[slots], {arm: (int(tpf * 40), 40)})
-        picked[load] = policy.best([], 4, B)
-        assert policy.best([], 4, B, greedy=False) != LOSSLESS
-        assert LOSSLESS not in {policy.choose([], 4, B, greedy=False) for _ in range(400)}
-    assert picked == {"few rows": LOSSLESS, "many rows": 0.5}  # 1.9/11.5 ms > 1.6/11; 1.6/15 > 1/10 > 1.9/30
-    assert AdaptiveTau(taus).candidates == [0.5, 0.75, 0.9, 1.0]  # off unless asked for
-
-
-def test_rows_move_into_or_out_of_the_lossless_mode_only_for_a_gain_above_the_margin():
-    """A move costs a step without drafts, so a 3% predicted gain keeps the rows where they are and a
-    10% one moves them."""
-    for gain, moves in ((1.03, False), (1.10, True)):
-        policy = AdaptiveTau(TauRange(default=1.0, floor=1.0), lossless=True, explore_every=10 ** 6)
-        for arm, tpf in ((LOSSLESS, 1.5), (1.0, 1.0)):
-            policy._explore(arm)
-            policy.observe(1, 2 * B - 1 if arm == LOSSLESS else 1, 0.010 * 1.5 if arm == LOSSLESS else 0.010,
-                           {arm: (int(tpf * 100), 100)})
-        policy._exploring, policy._settled = None, 1.0
-        policy.cost[(1, 2 * B - 1)] = 0.010 * 1.5 / gain  # the lossless step now measures cheaper: `gain` ahead
-        assert (policy.choose([], 1, B) == LOSSLESS) is moves, gain
-
-
-def test_a_thinly_measured_step_cost_is_read_off_a_line_through_the_windows_batch_sizes():
-    policy = AdaptiveTau(TauRange(default=0.9, floor=0.5), cell_samples=5)
-    for _ in range(5):
-        policy.observe(4, 1, 0.010, {})
-        policy.observe(8, 1, 0.014, {})
-        policy.observe(4, B, 0.012, {})
-    policy.observe(12, 1, 0.050, {})  # one sample at a batch size the load passed through: an outlier
-    assert policy.step_cost(4, 1) == pytest.approx(0.010)  # a well-measured cell: its own median
-    a, c = policy._line(1)
-    assert (a, c) == pytest.approx((0.006, 0.001))  # through the two well-measured cells
-    assert policy.step_cost(12, 1) == pytest.approx(0.018)  # not the one 50 ms sample
-    assert policy.step_cost(16, 1) == pytest.approx(a + 16 * c)
-    # one batch size measured at width B: scaled by the width-1 line's shape
-    assert policy.step_cost(16, B) == pytest.approx(0.012 * (a + 16 * c) / (a + 4 * c))
-    assert policy.step_cost(16, 2 * B - 1) is None  # a window never measured: explore it first
-
-
 def test_adaptive_server_decodes_unnamed_taus_between_the_floor_and_one(release, tmp_path):
     adaptive = Running(release, tmp_path / "cache", tau_policy="adaptive", max_batch=8)
     try:
@@ -543,6 +477,10 @@ def test_adaptive_server_decodes_unnamed_taus_between_the_floor_and_one(release,
         text = httpx.get(adaptive.url + "/metrics").text
         assert 'window="1"' in text and f'window="{B}"' in text  # it measured both windows
         assert 0.5 <= adaptive.metric("mars_tau_in_use") <= 1.0
+        by_arm = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("mars_policy_steps_total{")}  # where the policy spent its steps
+        assert {"lossless", "0.5", "1"} <= set(by_arm)  # its candidates: the floor, 1.0 and the lossless mode
+        assert sum(by_arm.values()) <= adaptive.metric("mars_decoding_steps_total")
     finally:
         adaptive.stop()
 

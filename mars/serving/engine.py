@@ -184,6 +184,7 @@ class Engine:
         batch.add(joining)
         live = batch.live
         policy_rows = [r for r in live if r.key]
+        arm = None
         if policy_rows:
             fixed = [r.tau for r in live if not r.key and not r.lossless]
             named_lossless = sum(1 for r in live if not r.key and r.lossless)
@@ -219,7 +220,7 @@ class Engine:
         self.policy.observe(rows, slots, seconds if decoding else None, {t: tuple(v) for t, v in accepted.items()})
         if self.metrics is not None:
             self.metrics.step(rows, slots, seconds, decoding, sum(len(u.new_tokens) for u in updates),
-                              self.policy, self.queue_depth)
+                              self.policy, self.queue_depth, arm)
 
     def _fail_all(self, error: Exception, waiting: bool = True) -> None:
         for handle in self.handles.values():

@@ -5,7 +5,8 @@ What an operator (and the HorizontalPodAutoscaler, through the Prometheus adapte
 (the policy's current tau), ``mars_lossless_in_use`` (1 while the adaptive policy decodes greedy rows in
 the lossless mode), ``mars_step_cost_seconds{batch, window}`` (the measured decoding-step cost the
 adaptive policy decides on; window: the slots read per row, 1, B, or 2B-1 while a lossless row drafts),
-``mars_tokens_per_forward{tau}`` (tau="lossless" for the lossless mode),
+``mars_tokens_per_forward{tau}`` (tau="lossless" for the lossless mode), ``mars_policy_steps_total{arm}``
+(steps by the arm the policy chose: where the adaptive policy spends its time),
 counters of requests by status, generated tokens and decoding steps, a step-time histogram, and
 ``mars_release_info`` (which release serves new requests).
 """
@@ -34,6 +35,8 @@ class ServerMetrics:
         self.requests = Counter("mars_requests", "finished HTTP generation requests", ["status"], registry=registry)
         self.tokens = Counter("mars_generated_tokens", "tokens generated", registry=registry)
         self.steps = Counter("mars_decoding_steps", "batched decoding forwards", registry=registry)
+        self.policy_steps = Counter("mars_policy_steps", "decoding steps by the arm the tau policy chose for the "
+                                    "rows that named no tau (a tau, or lossless)", ["arm"], registry=registry)
         self.step_seconds = Histogram("mars_step_seconds", "seconds per batched decoding step", registry=registry,
                                       buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.release = Gauge("mars_release_info", "1 for the release serving new requests", ["name", "version"],
@@ -41,9 +44,13 @@ class ServerMetrics:
         self.swap_failures = Counter("mars_release_load_failures", "releases that failed to load (the old kept "
                                      "serving)", registry=registry)
 
-    def step(self, rows: int, slots: int, seconds: float, decoding: bool, tokens: int, policy, queue_depth: int):
-        """After each engine iteration (the engine thread)."""
+    def step(self, rows: int, slots: int, seconds: float, decoding: bool, tokens: int, policy, queue_depth: int,
+             arm=None):
+        """After each engine iteration (the engine thread); ``arm``: the policy's choice for the step's rows
+        that named no tau (None: there were none)."""
         self.steps.inc()
+        if arm is not None:
+            self.policy_steps.labels(arm if isinstance(arm, str) else f"{arm:g}").inc()
         self.tokens.inc(tokens)
         self.step_seconds.observe(seconds)
         self.queue_depth.set(queue_depth)
@@ -69,6 +76,8 @@ class ServerMetrics:
         if policy is not None:
             self.tau.set(policy.tau)
             self.lossless.set(getattr(policy, "arm", None) == LOSSLESS)
-            for tau, value in dict(getattr(policy, "tpf", {})).items():  # a copy: the engine thread writes it
-                self.tokens_per_forward.labels(tau if isinstance(tau, str) else f"{tau:g}").set(value)
+            for tau in list(getattr(policy, "tpf", ())):  # a copy: the engine thread writes it
+                value = policy.tokens_per_forward(tau)  # the estimate the policy decides on
+                if value is not None:
+                    self.tokens_per_forward.labels(tau if isinstance(tau, str) else f"{tau:g}").set(value)
         return generate_latest(self.registry)

@@ -9,15 +9,27 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   a shared CPU), where the window is the slots read per row:
   1 when every row decodes at tau = 1, B when some row reads masks (its window then holds the tokens
   accepted last step + B-1 masks); and the tokens each tau yields per row and forward;
-* before each step it picks, among candidate taus between the floor (the lowest tau the release's gate
-  accepted) and the ceiling (1.0), the one that maximises the predicted
-  generated tokens per second of the whole batch: sum over rows of tokens/forward at the row's tau,
-  divided by the step cost at the batch size and the window that tau needs. Rows that named their tau
-  keep it; they count in the prediction as they are.
-* tokens/forward per candidate is the mean over its last ``tpf_samples`` row-steps. A row moved into the
-  lossless mode has no drafts for one step (it yields one token): the engine leaves that step out of the
-  lossless mode's tokens/forward, and the policy moves rows into or out of the lossless mode only for a
-  predicted gain above ``switch_margin``.
+* before each step it picks the candidate that maximises the predicted generated tokens per second of
+  the whole batch: sum over rows of tokens/forward at the row's tau, divided by the step cost at the
+  batch size and the window that tau needs. The candidate taus are the floor (the lowest tau the
+  release's gate accepted) and the ceiling (1.0): a tau between them reads the floor's window at its
+  cost and accepts fewer tokens (:meth:`TauRange.candidates`). Rows that named their tau keep it; they
+  count in the prediction as they are.
+* tokens/forward is estimated on the latest requests and compared on the same ones. The policy rows'
+  last ``tpf_samples`` row-steps (at whatever arm they ran) give the level; an arm's estimate is that
+  level with each step's tokens scaled by a paired ratio between the arm it ran at and the arm asked
+  about (:meth:`AdaptiveTau.tokens_per_forward`). A pair's ratio comes from explorations: each is
+  bracketed by the settled arm's steps just before and just after on the same rows, and the ratio is
+  tokens/forward over the explorations against the brackets' (pooled over the last ``pair_samples``
+  row-steps of each side: it is a property of the model and the traffic, not of the load). Why paired:
+  tokens/forward depends on the request (how predictable its text is) far more than on the tau, and a
+  window of an arm's own steps holds the requests it happened to run on, so comparing two arms' windows
+  compared requests, not arms (on the default profile's toy the windows read the lossless mode 1.81
+  against tau = 0.9's 3.32 while, decoded side by side, lossless was the faster fixed setting). tau = 1
+  yields exactly one token a row.
+* a row moved into the lossless mode has no drafts for one step (it yields one token): the engine leaves
+  that step out of the lossless mode's tokens/forward, and the policy moves rows into or out of the
+  lossless mode only for a predicted gain above ``switch_margin``.
 * with ``lossless`` one more candidate is the lossless mode (:mod:`mars.decoding.loop`): tau = 1.0's
   greedy output with the mask slots as verified drafts, so it costs no score at all. Its window is the
   widest (the last token, B-1 drafts, B-1 masks: 2B-1 slots), so it wins where a wide step is cheap (few
@@ -35,7 +47,6 @@ only a few times at this batch size is read off a line through the window's meas
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Sequence
@@ -45,6 +56,17 @@ from mars.errors import ConfigError
 POLICIES = ("fixed", "adaptive")
 LOSSLESS = "lossless"  # the adaptive policy's candidate beside the taus (a row in the lossless mode)
 Arm = float | str  # a tau, or LOSSLESS
+
+
+@dataclass
+class _Bracket:
+    """One exploration of ``arm`` and the ``settled`` arm's steps around it, on the same rows."""
+
+    arm: Arm
+    settled: Arm
+    during: list[int]  # tokens, rows at `arm`
+    base: list[int]  # tokens, rows at `settled`: the steps just before, then the steps just after
+    after_left: int  # settled steps still to take after the exploration
 
 
 @dataclass(frozen=True)
@@ -58,10 +80,13 @@ class TauRange:
             raise ConfigError(f"tau range: need 0 < floor ({self.floor}) <= default ({self.default}) <= ceiling "
                               f"({self.ceiling}) <= 1")
 
-    def candidates(self, steps: int = 2) -> list[float]:
-        """The floor, the default, the ceiling and ``steps - 1`` points evenly between floor and ceiling."""
-        between = [round(self.floor + (self.ceiling - self.floor) * k / steps, 4) for k in range(1, steps)]
-        return sorted({self.floor, self.default, self.ceiling, *between})
+    def candidates(self) -> list[float]:
+        """The floor and the ceiling. A tau between them reads the same window as the floor (B slots a row)
+        at the same step cost and accepts no more tokens (a mask is accepted while its confidence >= tau),
+        so it never yields more tokens/s: only a measurement to spend exploration on (on the default
+        profile's toy at one stream tau = 0.95 read 1.63 tokens/forward against 0.9's 1.95, and noise in the
+        estimates had the policy decode there)."""
+        return sorted({self.floor, self.ceiling})
 
 
 class FixedTau:
@@ -78,34 +103,47 @@ class FixedTau:
     def observe(self, batch: int, slots: int, seconds: float | None, accepted: dict[Arm, tuple[int, int]]) -> None:
         pass
 
-    def snapshot(self) -> dict:
-        return {"policy": self.name, "tau": self.tau, "step_seconds": {}, "tokens_per_forward": {}}
-
 
 class AdaptiveTau:
-    """See the module docstring. Not thread-safe: the engine's stepping thread calls it."""
+    """See the module docstring. The engine's stepping thread calls it; /metrics only reads it."""
 
     name = "adaptive"
 
-    def __init__(self, taus: TauRange, *, tpf_samples: int = 128, cost_samples: int = 15, cell_samples: int = 5,
-                 explore_steps: int = 3,
-                 explore_every: int = 150, switch_margin: float = 0.05, candidates: Sequence[float] | None = None,
-                 lossless: bool = False):
+    def __init__(self, taus: TauRange, *, tpf_samples: int = 128, pair_samples: int = 1024, cost_samples: int = 15,
+                 cell_samples: int = 5, explore_steps: int = 3,
+                 explore_every: int = 150, rescore_every: int = 8, switch_margin: float = 0.05,
+                 candidates: Sequence[float] | None = None, lossless: bool = False):
         self.taus = taus
         self.candidates: list[Arm] = sorted(candidates) if candidates else taus.candidates()
         if lossless:
             self.candidates.append(LOSSLESS)
         # tokens/forward of an arm: over its last `tpf_samples` row-steps (a step of 16 rows counts 16)
         self.tpf_samples, self.cost_samples, self.cell_samples = tpf_samples, cost_samples, cell_samples
+        # a paired ratio is a property of the model and the traffic, not of the load: a long memory
+        self.pair_samples = pair_samples
         self._accepted: dict[Arm, tuple[deque, list[int]]] = {}
         self.explore_steps, self.explore_every = explore_steps, explore_every
+        # the same batch (rows, named taus, greedy) is re-scored every `rescore_every` decisions, not every
+        # step: on the default profile's toy a step is ~1.2 ms and scoring every arm took ~20 us of it
+        self.rescore_every = rescore_every
+        self._scored: tuple[tuple | None, int] = (None, 0)  # (the batch last scored, at which decision)
         # moving rows into or out of the lossless mode costs a step without drafts: only for a gain above this
         self.switch_margin = switch_margin
         self._settled: Arm = LOSSLESS if lossless else taus.default  # the last choice that was not an exploration
         self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
         self._recent: dict[tuple[int, int], deque] = {}
         self._lines: dict[int, tuple[float, float] | None] = {}  # slots -> (a, c): see step_cost
-        self.tpf: dict[Arm, float] = {1.0: 1.0}  # arm -> tokens per row and forward (tau = 1: exactly 1)
+        self.tpf: dict[Arm, float] = {1.0: 1.0}  # arm -> tokens per row and forward in its own window
+        # paired ratios (see the module docstring): (arm a, arm b) -> ([(a tokens, a rows, b tokens, b rows)]
+        # per exploration of one beside the other, their sums); the settled arm's last steps; the open bracket
+        self._pairs: dict[tuple[Arm, Arm], tuple[deque, list[int]]] = {}
+        self._settled_steps: deque[tuple[Arm, int, int]] = deque(maxlen=explore_steps)  # (arm, tokens, rows)
+        self._bracket: _Bracket | None = None
+        # the policy rows' last row-steps at any arm but tau = 1: (arm, tokens, rows), and sums per arm
+        self._level: deque[tuple[Arm, int, int]] = deque()
+        self._level_sums: dict[Arm, list[int]] = {}
+        self._level_rows = 0
+        self._phase: str | None = None  # "explore" or "settled": what the step being taken is
         self.last_seen: dict[Arm, int] = {}  # decision count when each candidate last ran
         self.decisions = 0
         self.arm: Arm = taus.default  # the last choice
@@ -124,7 +162,8 @@ class AdaptiveTau:
         if seconds is not None:
             recent = self._recent.setdefault((batch, slots), deque(maxlen=self.cost_samples))
             recent.append(seconds)
-            self.cost[(batch, slots)] = statistics.median(recent)
+            ordered, mid = sorted(recent), len(recent) // 2  # the median (statistics.median is ~3x slower)
+            self.cost[(batch, slots)] = ordered[mid] if len(recent) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
             self._lines.pop(slots, None)
         for arm, (tokens, rows) in accepted.items():
             if rows and arm != 1.0 and arm in self.candidates:  # a request's own tau is not a candidate
@@ -135,15 +174,91 @@ class AdaptiveTau:
                     old_tokens, old_rows = window.popleft()
                     sums[0], sums[1] = sums[0] - old_tokens, sums[1] - old_rows
                 self.tpf[arm] = sums[0] / sums[1]
+        self._pair(accepted.get(self.arm))
 
-    def step_cost(self, batch: int, slots: int) -> float | None:
-        """The cell's median once it holds ``cell_samples`` samples; else a line (seconds = a + c x batch,
-        least squares over this window's cells, each weighted by its samples) through every batch size
+    def _pair(self, step: tuple[int, int] | None) -> None:
+        """File the step the policy rows just took at ``self.arm`` (``(tokens, rows)``; None: none counted,
+        a step without drafts) into the open bracket, or as one of the settled arm's last steps."""
+        phase, self._phase = self._phase, None
+        if phase is None:  # no policy rows this step
+            return
+        step = step if step and step[1] else None
+        if step and self.arm != 1.0:  # tau = 1 yields one token whatever the request: nothing to learn
+            self._file_level(self.arm, *step)
+        bracket = self._bracket
+        if phase == "explore":
+            if bracket is not None and bracket.arm == self.arm and step:
+                bracket.during[0] += step[0]
+                bracket.during[1] += step[1]
+            return
+        if step:
+            self._settled_steps.append((self.arm, *step))
+        if bracket is None:
+            return
+        if self.arm != bracket.settled:  # the policy moved on: the bracket has what it has
+            self._close_bracket()
+        elif step:
+            bracket.base[0] += step[0]
+            bracket.base[1] += step[1]
+            bracket.after_left -= 1
+            if bracket.after_left <= 0:
+                self._close_bracket()
+
+    def _file_level(self, arm: Arm, tokens: int, rows: int) -> None:
+        self._level.append((arm, tokens, rows))
+        self._level_rows += rows
+        sums = self._level_sums.setdefault(arm, [0, 0])
+        sums[0], sums[1] = sums[0] + tokens, sums[1] + rows
+        while self._level_rows - self._level[0][2] >= self.tpf_samples:
+            old_arm, old_tokens, old_rows = self._level.popleft()
+            self._level_rows -= old_rows
+            sums = self._level_sums[old_arm]
+            sums[0], sums[1] = sums[0] - old_tokens, sums[1] - old_rows
+
+    def _close_bracket(self) -> None:
+        bracket, self._bracket = self._bracket, None
+        if bracket is None or not bracket.during[1] or not bracket.base[1]:
+            return
+        # one pool per pair of arms, whichever was explored: the ratio either way is then one number
+        key = tuple(sorted((bracket.arm, bracket.settled), key=_width_order))
+        record = (*bracket.during, *bracket.base) if key[0] == bracket.arm else (*bracket.base, *bracket.during)
+        pool, sums = self._pairs.setdefault(key, (deque(), [0, 0, 0, 0]))
+        pool.append(record)
+        sums[:] = [a + b for a, b in zip(sums, record)]
+        while min(sums[1] - pool[0][1], sums[3] - pool[0][3]) >= self.pair_samples:
+            sums[:] = [a - b for a, b in zip(sums, pool.popleft())]
+
+    def tokens_per_forward(self, arm: Arm) -> float | None:
+        """The estimate decisions use: tau = 1 yields exactly 1; another arm, the policy rows' last
+        ``tpf_samples`` row-steps (whatever arm they ran at) with each arm's tokens scaled by its paired
+        ratio to ``arm``: what ``arm`` would have yielded on the latest requests. While ``arm`` has no ratio
+        to the arms of those steps: its own window."""
+        if arm == 1.0:
+            return 1.0
+        tokens = rows = 0.0
+        for other, (other_tokens, other_rows) in list(self._level_sums.items()):  # /metrics reads it too
+            ratio = 1.0 if other == arm else self._ratio(arm, other)
+            if ratio is not None and other_rows:
+                tokens, rows = tokens + other_tokens * ratio, rows + other_rows
+        return tokens / rows if rows else self.tpf.get(arm)
+
+    def _ratio(self, arm: Arm, base: Arm) -> float | None:
+        """tokens/forward at ``arm`` over that at ``base``, on the same rows at the same time."""
+        key = tuple(sorted((arm, base), key=_width_order))
+        if key not in self._pairs:
+            return None
+        a_tokens, a_rows, b_tokens, b_rows = self._pairs[key][1]
+        ratio = (a_tokens / a_rows) / (b_tokens / b_rows)
+        return ratio if key[0] == arm else 1.0 / ratio
+
+    def step_cost(self, batch: int, slots: int, lines: bool = False) -> float | None:
+        """The cell's median once it holds ``cell_samples`` samples (unless ``lines``); else a line (seconds =
+        a + c x batch, least squares over this window's cells, each weighted by its samples) through every batch size
         measured at this window, so that a batch size visited for a step or two (a load passing by) is read
         off the window's whole record rather than one noisy sample; with one batch size measured at this
-        window, its cost scaled by another window's line; None while the window was never measured."""
-        recent = self._recent.get((batch, slots))
-        if recent is not None and len(recent) >= self.cell_samples:
+        window, its cost scaled by another window's line; None while the window was never measured.
+        ``lines``: the line even for a well-measured cell (see :meth:`_scores`)."""
+        if not lines and self._well_measured(batch, slots):
             return self.cost[(batch, slots)]
         line = self._line(slots)
         if line is not None:
@@ -157,6 +272,10 @@ class AdaptiveTau:
             if shape is not None:
                 return self.cost[(near, slots)] * (shape[0] + shape[1] * batch) / (shape[0] + shape[1] * near)
         return self.cost[(near, slots)]
+
+    def _well_measured(self, batch: int, slots: int) -> bool:
+        recent = self._recent.get((batch, slots))
+        return recent is not None and len(recent) >= self.cell_samples
 
     def _line(self, slots: int) -> tuple[float, float] | None:
         """(a, c) of seconds = a + c x batch at this window, through its well-measured cells where there
@@ -180,27 +299,44 @@ class AdaptiveTau:
 
     # -- decision ----------------------------------------------------------------------------------
     def predict(self, arm: Arm, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
-                lossless_rows: int = 0) -> float | None:
+                lossless_rows: int = 0, lines: bool = False) -> float | None:
         """Predicted generated tokens/s of the batch if its policy rows decode at ``arm`` (``lossless_rows``:
-        rows that asked for the lossless mode themselves)."""
-        if arm not in self.tpf:
+        rows that asked for the lossless mode themselves; ``lines``: see :meth:`step_cost`)."""
+        tpf = self.tokens_per_forward(arm)
+        if tpf is None:
             return None
-        if arm == LOSSLESS or lossless_rows:
-            slots = 2 * block_size - 1
-        elif arm < 1.0 or any(t < 1.0 for t in fixed_taus):
-            slots = block_size
-        else:
-            slots = 1
-        cost = self.step_cost(policy_rows + len(fixed_taus) + lossless_rows, slots)
+        slots = self._window(arm, fixed_taus, block_size, lossless_rows)
+        cost = self.step_cost(policy_rows + len(fixed_taus) + lossless_rows, slots, lines)
         if not cost:
             return None
-        named = sum(self._tpf_near(t) for t in fixed_taus) + lossless_rows * self.tpf.get(LOSSLESS, 1.0)
-        return (policy_rows * self.tpf[arm] + named) / cost
+        named = sum(self._tpf_near(t) for t in fixed_taus) + lossless_rows * (self.tokens_per_forward(LOSSLESS) or 1.0)
+        return (policy_rows * tpf + named) / cost
+
+    @staticmethod
+    def _window(arm: Arm, fixed_taus: Sequence[float], block_size: int, lossless_rows: int) -> int:
+        """The slots a row reads in a step where the policy rows decode at ``arm``."""
+        if arm == LOSSLESS or lossless_rows:
+            return 2 * block_size - 1
+        if arm < 1.0 or any(t < 1.0 for t in fixed_taus):
+            return block_size
+        return 1
+
+    def _scores(self, arms: Sequence[Arm], fixed_taus: Sequence[float], policy_rows: int, block_size: int,
+                lossless_rows: int) -> dict[Arm, float | None]:
+        """``predict`` for each arm, all at the same kind of step cost: the cells' medians where every
+        window compared is well measured at this batch size, else every window's line. A cell's median
+        wanders by ~5% around its line on a busy CPU; set against another window's line it flipped the
+        choice as the batch size moved by a row or two (on the default profile's toy, 13 rows favoured
+        tau = 0.9 and 15 the lossless mode), and each move into the lossless mode costs a step."""
+        batch = policy_rows + len(fixed_taus) + lossless_rows
+        lines = not all(self._well_measured(batch, self._window(a, fixed_taus, block_size, lossless_rows))
+                        for a in arms)
+        return {a: self.predict(a, fixed_taus, policy_rows, block_size, lossless_rows, lines) for a in arms}
 
     def _tpf_near(self, tau: float) -> float:
         """A named tau's tokens/forward: that of the nearest measured candidate tau (1.0 while none is)."""
         known = [t for t in self.tpf if t != LOSSLESS and (t in self.candidates or t == 1.0)]
-        return self.tpf[min(known, key=lambda t: abs(t - tau))] if tau < 1.0 and known else 1.0
+        return self.tokens_per_forward(min(known, key=lambda t: abs(t - tau))) if tau < 1.0 and known else 1.0
 
     def _open(self, greedy: bool) -> list[Arm]:
         return self.candidates if greedy else [a for a in self.candidates if a != LOSSLESS]
@@ -217,14 +353,21 @@ class AdaptiveTau:
             arm, left = self._exploring
             self._exploring = (arm, left - 1) if left > 1 else None
             if arm in open_:
-                return self._use(arm)
+                return self._use(arm, explore=True)
             self._exploring = None
-        scores = {a: self.predict(a, fixed_taus, policy_rows, block_size, lossless_rows) for a in open_}
+        batch = (policy_rows, tuple(fixed_taus), lossless_rows, greedy)
+        due = self.decisions % self.explore_every == 0
+        if not due and batch == self._scored[0] and self.decisions - self._scored[1] < self.rescore_every:
+            return self._use(self._settled)  # the same batch, scored a few steps ago: estimates move slowly
+        scores = self._scores(open_, fixed_taus, policy_rows, block_size, lossless_rows)
         best = _best(scores)
         if best is None:  # measure before judging: the widest unmeasured window first
+            self._scored = (None, 0)
             return self._explore(min((a for a, v in scores.items() if v is None), key=_width_order))
-        if self.decisions % self.explore_every == 0:
+        if due:
+            self._scored = (None, 0)
             return self._explore(min(open_, key=lambda a: self.last_seen.get(a, -1)))
+        self._scored = (batch, self.decisions)
         settled = self._settled
         if (best == LOSSLESS) != (settled == LOSSLESS) and settled in scores:
             now = scores[settled]
@@ -237,23 +380,25 @@ class AdaptiveTau:
              lossless_rows: int = 0, greedy: bool = True) -> Arm | None:
         """The candidate with the highest predicted tokens/s (ties: the narrower window); None while
         some candidate is unmeasured."""
-        return _best({a: self.predict(a, fixed_taus, policy_rows, block_size, lossless_rows)
-                      for a in self._open(greedy)})
+        return _best(self._scores(self._open(greedy), fixed_taus, policy_rows, block_size, lossless_rows))
 
     def _explore(self, arm: Arm) -> Arm:
         steps = self.explore_steps + (arm == LOSSLESS)  # its first step has no drafts yet (not counted)
         self._exploring = (arm, steps - 1) if steps > 1 else None
-        return self._use(arm)
+        self._close_bracket()
+        if arm != self._settled and arm != 1.0:  # tau = 1's tokens/forward is known: nothing to pair
+            before = [0, 0]
+            for settled, tokens, rows in self._settled_steps:
+                if settled == self._settled:
+                    before[0], before[1] = before[0] + tokens, before[1] + rows
+            self._bracket = _Bracket(arm, self._settled, [0, 0], before, self.explore_steps)
+        return self._use(arm, explore=True)
 
-    def _use(self, arm: Arm) -> Arm:
+    def _use(self, arm: Arm, explore: bool = False) -> Arm:
         self.last_seen[arm] = self.decisions
-        self.arm = arm
+        # re-measuring the settled arm is a settled step (it brackets the next exploration)
+        self.arm, self._phase = arm, "explore" if explore and arm != self._settled else "settled"
         return arm
-
-    def snapshot(self) -> dict:
-        return {"policy": self.name, "tau": self.tau, "arm": str(self.arm),
-                "step_seconds": {f"{b}x{w}": s for (b, w), s in sorted(self.cost.items())},
-                "tokens_per_forward": {str(a): v for a, v in sorted(self.tpf.items(), key=lambda kv: _width_order(kv[0]))}}
 
 
 def _best(scores: dict[Arm, float | None]) -> Arm | None:

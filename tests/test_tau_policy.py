@@ -1,0 +1,131 @@
+"""The adaptive tau policy (mars.serving.tau_policy) as a specification, driven with made-up step costs
+and accepted-token counts: what it measures, what it predicts and what it picks."""
+
+from __future__ import annotations
+
+import pytest
+
+from mars.serving.tau_policy import LOSSLESS, AdaptiveTau, TauRange
+
+B = 4
+SLOTS = {LOSSLESS: 2 * B - 1, 1.0: 1}  # any other arm (a tau < 1) reads B slots
+
+
+def slots(arm) -> int:
+    return SLOTS.get(arm, B)
+
+
+def test_the_candidate_taus_are_the_floor_and_one():
+    """A tau between them reads the floor's window at its cost and accepts no more: it is never faster."""
+    assert TauRange(default=0.9, floor=0.7).candidates() == [0.7, 1.0]
+    assert TauRange(default=0.9, floor=0.9).candidates() == [0.9, 1.0]
+    assert AdaptiveTau(TauRange(default=0.9, floor=0.7), lossless=True).candidates == [0.7, 1.0, LOSSLESS]
+
+
+def test_adaptive_policy_lowers_tau_only_while_the_wide_window_pays():
+    taus = TauRange(default=0.9, floor=0.5)
+    cheap, dear = AdaptiveTau(taus), AdaptiveTau(taus)
+    for policy, wide in ((cheap, 0.012), (dear, 0.040)):
+        for _ in range(200):  # measure: a 1-token step costs 10 ms, a B-token step `wide`
+            tau = policy.choose([], 4, B)
+            tpf = {1.0: 1.0, 0.9: 1.4, 0.75: 1.8, 0.5: 2.2}[tau]
+            policy.observe(4, B if tau < 1 else 1, wide if tau < 1 else 0.010, {tau: (int(tpf * 40), 40)})
+    assert cheap.best([], 4, B) == 0.5  # 2.2 tokens per 12 ms beats 1 per 10 ms
+    assert dear.best([], 4, B) == 1.0  # 2.2 tokens per 40 ms loses to 1 per 10 ms
+
+
+def test_the_lossless_mode_is_a_candidate_for_greedy_rows_where_its_widest_window_pays():
+    """tau = 1.0's output at 1.9 tokens/forward beats tau = 0.5's 1.6 while the (2B-1)-slot window costs
+    little more than the B-slot one, and gives way to a tau where it does not; a sampling policy row never
+    takes it."""
+    taus = TauRange(default=0.9, floor=0.5)
+    costs = {"few rows": {1: 0.010, B: 0.011, 2 * B - 1: 0.0115}, "many rows": {1: 0.010, B: 0.015, 2 * B - 1: 0.030}}
+    picked = {}
+    for load, cost in costs.items():
+        policy = AdaptiveTau(taus, lossless=True)
+        for _ in range(300):
+            arm = policy.choose([], 4, B)
+            slots = 2 * B - 1 if arm == LOSSLESS else B if arm < 1 else 1
+            tpf = {LOSSLESS: 1.9, 1.0: 1.0, 0.9: 1.3, 0.75: 1.45, 0.5: 1.6}[arm]
+            policy.observe(4, slots, cost[slots], {arm: (int(tpf * 40), 40)})
+        picked[load] = policy.best([], 4, B)
+        assert policy.best([], 4, B, greedy=False) != LOSSLESS
+        assert LOSSLESS not in {policy.choose([], 4, B, greedy=False) for _ in range(400)}
+    assert picked == {"few rows": LOSSLESS, "many rows": 0.5}  # 1.9/11.5 ms > 1.6/11; 1.6/15 > 1/10 > 1.9/30
+    assert AdaptiveTau(taus).candidates == [0.5, 1.0]  # off unless asked for
+
+
+def test_rows_move_into_or_out_of_the_lossless_mode_only_for_a_gain_above_the_margin():
+    """A move costs a step without drafts, so a 3% predicted gain keeps the rows where they are and a
+    10% one moves them."""
+    for gain, moves in ((1.03, False), (1.10, True)):
+        policy = AdaptiveTau(TauRange(default=1.0, floor=1.0), lossless=True, explore_every=10 ** 6)
+        for arm, tpf in ((LOSSLESS, 1.5), (1.0, 1.0)):
+            policy._explore(arm)
+            policy.observe(1, 2 * B - 1 if arm == LOSSLESS else 1, 0.010 * 1.5 if arm == LOSSLESS else 0.010,
+                           {arm: (int(tpf * 100), 100)})
+        policy._exploring, policy._settled = None, 1.0
+        policy.cost[(1, 2 * B - 1)] = 0.010 * 1.5 / gain  # the lossless step now measures cheaper: `gain` ahead
+        assert (policy.choose([], 1, B) == LOSSLESS) is moves, gain
+
+
+def test_a_thinly_measured_step_cost_is_read_off_a_line_through_the_windows_batch_sizes():
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.5), cell_samples=5)
+    for _ in range(5):
+        policy.observe(4, 1, 0.010, {})
+        policy.observe(8, 1, 0.014, {})
+        policy.observe(4, B, 0.012, {})
+    policy.observe(12, 1, 0.050, {})  # one sample at a batch size the load passed through: an outlier
+    assert policy.step_cost(4, 1) == pytest.approx(0.010)  # a well-measured cell: its own median
+    a, c = policy._line(1)
+    assert (a, c) == pytest.approx((0.006, 0.001))  # through the two well-measured cells
+    assert policy.step_cost(12, 1) == pytest.approx(0.018)  # not the one 50 ms sample
+    assert policy.step_cost(16, 1) == pytest.approx(a + 16 * c)
+    # one batch size measured at width B: scaled by the width-1 line's shape
+    assert policy.step_cost(16, B) == pytest.approx(0.012 * (a + 16 * c) / (a + 4 * c))
+    assert policy.step_cost(16, 2 * B - 1) is None  # a window never measured: explore it first
+
+
+def drive(policy: AdaptiveTau, steps: int, difficulty, gain: dict, cost: dict, rows: int = 10) -> list:
+    """``steps`` engine steps at ``rows`` rows: a step at arm a yields difficulty(step) x gain[a] tokens a
+    row (tau = 1: one), and costs cost[slots]; a move into the lossless mode yields no counted step (the
+    engine leaves its step without drafts out). Returns the arm of every step that was not an exploration."""
+    arms, before = [], None
+    for step in range(steps):
+        arm = policy.choose([], rows, B)
+        exploring = policy._phase == "explore"
+        tpf = 1.0 if arm == 1.0 else difficulty(step) * gain[arm]
+        moved_in = arm == LOSSLESS and before != LOSSLESS
+        policy.observe(rows, slots(arm), cost[slots(arm)], {} if moved_in else {arm: (round(tpf * rows), rows)})
+        arms += [] if exploring else [arm]
+        before = arm
+    return arms
+
+
+def test_tokens_per_forward_is_compared_on_the_same_requests_not_across_time():
+    """tokens/forward depends on the request far more than on the arm. Here the requests alternate
+    between hard (1.2 tokens/forward at tau = 0.9) and easy (3.0) every 400 steps, and the lossless mode
+    yields 10% more than tau = 0.9 on each at the same step cost. Its window-to-window comparison would
+    set an explored arm's few old steps against the settled arm's latest ones (after a switch to the easy
+    requests the other arm's window still reads the hard ones); the paired estimate reads the ratio off
+    explorations bracketed by the settled arm's steps on the same rows, so the policy stays in the
+    lossless mode through every change of request."""
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, explore_every=20)
+    hard_easy = lambda step: 1.2 if (step // 400) % 2 == 0 else 3.0
+    arms = drive(policy, 4000, hard_easy, {LOSSLESS: 1.1, 0.9: 1.0}, {1: 0.010, B: 0.012, 2 * B - 1: 0.012})
+    settled = arms[400:]
+    assert settled.count(LOSSLESS) / len(settled) > 0.95, {str(a): settled.count(a) for a in set(settled)}
+    ratio = policy.tokens_per_forward(LOSSLESS) / policy.tokens_per_forward(0.9)
+    assert ratio == pytest.approx(1.1, abs=0.03)
+    # the estimates follow the latest requests (the last 400 steps were easy ones)
+    assert policy.tokens_per_forward(0.9) == pytest.approx(3.0, rel=0.05)
+
+
+def test_the_paired_ratio_is_one_number_whichever_arm_was_explored():
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, explore_every=10 ** 6)
+    drive(policy, 40, lambda step: 2.0, {LOSSLESS: 1.25, 0.9: 1.0}, {1: 0.010, B: 0.011, 2 * B - 1: 0.011})
+    assert policy._settled == LOSSLESS
+    ratio = policy.tokens_per_forward(LOSSLESS) / policy.tokens_per_forward(0.9)
+    policy._settled = 0.9  # as if settled there: the same ratio, read the other way round
+    assert policy.tokens_per_forward(LOSSLESS) / policy.tokens_per_forward(0.9) == pytest.approx(ratio)
+    assert ratio == pytest.approx(1.25, abs=0.02)
