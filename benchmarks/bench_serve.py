@@ -2,9 +2,10 @@
 
 For each policy it starts `mars serve --model DIR` on 127.0.0.1 (a subprocess on a free port: the load
 generator does not share the server's interpreter) and warms it up; then at each level, the policies in
-turn, it runs a bounded load
-(a fixed number of concurrent streams, each sending its share of a fixed number of requests, then it
-stops) and a bursty trace that moves between levels. Requests are the held-out prompts of the prepared
+turn, it runs a bounded load (a fixed number of concurrent streams, each sending its share of a fixed
+number of requests, then it stops) and a bursty trace that moves between levels. ``--repeats N`` runs
+N rounds of each level, the policies taking turns in every round, and a cell shows the median round:
+on a 2-core machine one round's cells move by 5-10% from run to run. Requests are the held-out prompts of the prepared
 data (token ids through /v1/completions, greedy, streamed), so each run also gives the held-out score of
 what that policy generated. Printed per level: generated tokens/s, requests/s, latency and
 time-to-first-token percentiles (p50/p95/p99), tokens/forward and the score; then the adaptive policy
@@ -78,6 +79,15 @@ class Server:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def policy_steps(server: Server) -> dict[str, float]:
+    """The server's decoding steps so far by the arm its tau policy chose (``mars_policy_steps_total``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return {sample.labels["arm"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "mars_policy_steps_total"}
 
 
 async def one_request(client: httpx.AsyncClient, server: Server, prompt: list[int], max_tokens: int) -> dict:
@@ -172,8 +182,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the adaptive policy may use the lossless mode (default: on)")
     parser.add_argument("--lossless", action=argparse.BooleanOptionalAction, default=True,
                         help="also run every request in the lossless mode (default: on)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of each level, the policies taking turns in each; a cell shows the median round")
     parser.add_argument("--json", help="write every number here too")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats: must be >= 1, got {args.repeats}")
     items = held_out(args.data, args.items)
     floor = args.tau_floor if args.tau_floor is not None else args.fixed_tau
     policies = [("tau=1.0 fixed", "fixed", 1.0, 1.0, "tau"),
@@ -196,13 +210,22 @@ def main(argv: list[str] | None = None) -> int:
                                           adaptive_lossless=args.adaptive_lossless)))
             asyncio.run(run_phase(servers[-1][1], items, 0, 4, args.warmup, args.max_tokens))
         for name, phases in levels:
-            for label, server in servers:
-                started, results, offset = time.perf_counter(), [], 0
-                for streams, requests in phases:
-                    results += asyncio.run(run_phase(server, items, offset, streams, requests, args.max_tokens))
-                    offset += requests
-                table[name][label] = summarize(results, time.perf_counter() - started, items)
-                print(f"  {label:>14} {name}: {table[name][label]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+            runs: dict[str, list[dict]] = {label: [] for label, _ in servers}
+            for round_ in range(args.repeats):
+                for label, server in servers:
+                    steps_before = policy_steps(server)
+                    started, results, offset = time.perf_counter(), [], 0
+                    for streams, requests in phases:
+                        results += asyncio.run(run_phase(server, items, offset, streams, requests, args.max_tokens))
+                        offset += requests
+                    runs[label].append(summarize(results, time.perf_counter() - started, items))
+                    steps = {arm: n - steps_before.get(arm, 0.0) for arm, n in policy_steps(server).items()}
+                    runs[label][-1]["policy_steps"] = {arm: n for arm, n in steps.items() if n}
+                    print(f"  {label:>14} {name} (round {round_ + 1}): {runs[label][-1]['tokens_per_s']:.1f} tokens/s",
+                          file=sys.stderr)
+            for label, rounds in runs.items():  # the median round by throughput
+                table[name][label] = sorted(rounds, key=lambda r: r["tokens_per_s"])[len(rounds) // 2]
+                table[name][label]["rounds_tokens_per_s"] = [r["tokens_per_s"] for r in rounds]
     finally:
         for _, server in servers:
             server.close()
@@ -220,6 +243,15 @@ def main(argv: list[str] | None = None) -> int:
         fixed = [s["tokens_per_s"] for label, s in row.items() if label != "adaptive"]
         adaptive = row["adaptive"]["tokens_per_s"]
         print(f"{'':<28} adaptive / best fixed {adaptive / max(fixed):.3f}x, / tau=1.0 {adaptive / fixed[0]:.3f}x")
+        chosen = row["adaptive"]["policy_steps"]
+        if chosen:
+            total = sum(chosen.values())
+            print(f"{'':<28} adaptive's steps by arm: "
+                  + ", ".join(f"{arm} {n / total:.0%}" for arm, n in sorted(chosen.items(), key=lambda kv: -kv[1])))
+        if args.repeats > 1:  # the spread: how far apart the rounds of one setting were
+            spread = ", ".join(f"{label} {min(s['rounds_tokens_per_s']):.0f}-{max(s['rounds_tokens_per_s']):.0f}"
+                               for label, s in row.items())
+            print(f"{'':<28} rounds' tok/s: {spread}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "table": table}, indent=2))
     return 0
