@@ -50,15 +50,12 @@ class ServerMetrics:
         that named no tau (None: there were none)."""
         self.steps.inc()
         if arm is not None:
-            self.policy_steps.labels(arm if isinstance(arm, str) else f"{arm:g}").inc()
+            self.policy_steps.labels(_arm_label(arm)).inc()
         self.tokens.inc(tokens)
         self.step_seconds.observe(seconds)
         self.queue_depth.set(queue_depth)
         self._policy = policy  # its tau and tokens/forward are read when /metrics is scraped (render)
-        snap = getattr(policy, "cost", None)
-        if decoding and snap is not None and (rows, slots) in snap:
-            self.step_cost.labels(str(rows), str(slots)).set(snap[(rows, slots)])
-        elif decoding:
+        if decoding and getattr(policy, "cost", None) is None:  # a policy that keeps no costs: the last step's
             self.step_cost.labels(str(rows), str(slots)).set(seconds)
 
     def set_release(self, name: str, version: str | None, previous: tuple[str, str | None] | None = None):
@@ -79,5 +76,12 @@ class ServerMetrics:
             for tau in list(getattr(policy, "tpf", ())):  # a copy: the engine thread writes it
                 value = policy.tokens_per_forward(tau)  # the estimate the policy decides on
                 if value is not None:
-                    self.tokens_per_forward.labels(tau if isinstance(tau, str) else f"{tau:g}").set(value)
+                    self.tokens_per_forward.labels(_arm_label(tau)).set(value)
+            for (rows, slots), seconds in list(getattr(policy, "cost", {}).items()):  # the medians it decides on
+                self.step_cost.labels(str(rows), str(slots)).set(seconds)
         return generate_latest(self.registry)
+
+
+def _arm_label(arm) -> str:
+    """A tau as Prometheus label text ("0.9", "1"), or "lossless"."""
+    return arm if isinstance(arm, str) else f"{arm:g}"
