@@ -10,8 +10,10 @@ data (token ids through /v1/completions, greedy, streamed), so each run also giv
 what that policy generated. Printed per level: generated tokens/s, requests/s, latency and
 time-to-first-token percentiles (p50/p95/p99), tokens/forward and the score; then the adaptive policy
 against the best fixed setting and against tau = 1.0. "lossless fixed" sends every request with
-``mode: lossless`` (tau = 1.0's output, drafts verified); the adaptive policy may use that mode too
-(``mars serve --adaptive-lossless``, on by default; ``--no-adaptive-lossless`` here turns it off).
+``mode: lossless`` (tau = 1.0's output, drafts verified), "lossless w=2 fixed" with ``block_size: 2`` too
+(one draft a step: a narrower window; ``--lossless-block-sizes``); the adaptive policy may use that mode
+at both widths (``mars serve --adaptive-lossless``, on by default; ``--no-adaptive-lossless`` here turns
+it off).
 
     python benchmarks/bench_serve.py --model checkpoints/mars/final --data data/prepared
     python benchmarks/bench_serve.py --model DIR --data DIR --levels 1,4,16 --per-stream 6 --fixed-tau 0.9 \
@@ -50,8 +52,8 @@ class Server:
     """`mars serve --model DIR` in a subprocess on 127.0.0.1."""
 
     def __init__(self, model: str, *, policy: str, tau: float, floor: float, max_batch: int, dtype: str,
-                 threads: int | None, mode: str = "tau", adaptive_lossless: bool = True):
-        self.mode = mode
+                 threads: int | None, mode: str = "tau", block_size: int | None = None, adaptive_lossless: bool = True):
+        self.mode, self.block_size = mode, block_size  # what every request asks for
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -92,7 +94,8 @@ def policy_steps(server: Server) -> dict[str, float]:
 
 async def one_request(client: httpx.AsyncClient, server: Server, prompt: list[int], max_tokens: int) -> dict:
     body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, **({"mode": server.mode} if server.mode != "tau" else {})}
+            "stream_options": {"include_usage": True}, **({"mode": server.mode} if server.mode != "tau" else {}),
+            **({"block_size": server.block_size} if server.block_size else {})}
     start = time.perf_counter()
     first, text, usage = None, [], None
     async with client.stream("POST", server.url + "/v1/completions", json=body) as response:
@@ -182,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the adaptive policy may use the lossless mode (default: on)")
     parser.add_argument("--lossless", action=argparse.BooleanOptionalAction, default=True,
                         help="also run every request in the lossless mode (default: on)")
+    parser.add_argument("--lossless-block-sizes", default="2",
+                        help="with --lossless, also at these block sizes below the checkpoint's ('' for none)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of each level, the policies taking turns in each; a cell shows the median round")
     parser.add_argument("--json", help="write every number here too")
@@ -190,10 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats: must be >= 1, got {args.repeats}")
     items = held_out(args.data, args.items)
     floor = args.tau_floor if args.tau_floor is not None else args.fixed_tau
-    policies = [("tau=1.0 fixed", "fixed", 1.0, 1.0, "tau"),
-                (f"tau={args.fixed_tau:g} fixed", "fixed", args.fixed_tau, args.fixed_tau, "tau"),
-                *([("lossless fixed", "fixed", 1.0, 1.0, "lossless")] if args.lossless else []),
-                ("adaptive", "adaptive", args.fixed_tau, floor, "tau")]
+    narrow = [int(w) for w in args.lossless_block_sizes.split(",") if w] if args.lossless else []
+    policies = [("tau=1.0 fixed", "fixed", 1.0, 1.0, "tau", None),
+                (f"tau={args.fixed_tau:g} fixed", "fixed", args.fixed_tau, args.fixed_tau, "tau", None),
+                *([("lossless fixed", "fixed", 1.0, 1.0, "lossless", None)] if args.lossless else []),
+                *((f"lossless w={w} fixed", "fixed", 1.0, 1.0, "lossless", w) for w in narrow),
+                ("adaptive", "adaptive", args.fixed_tau, floor, "tau", None)]
     levels = [(f"{s} stream{'s' if s > 1 else ''}", [(s, s * args.per_stream)])
               for s in (int(x) for x in args.levels.split(","))]
     if args.bursty:
@@ -204,10 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     # machine then hits them alike rather than whichever ran at the time.
     servers = []
     try:
-        for label, policy, tau, tau_floor, mode in policies:
+        for label, policy, tau, tau_floor, mode, block_size in policies:
             servers.append((label, Server(args.model, policy=policy, tau=tau, floor=tau_floor,
                                           max_batch=args.max_batch, dtype=args.dtype, threads=args.threads, mode=mode,
-                                          adaptive_lossless=args.adaptive_lossless)))
+                                          block_size=block_size, adaptive_lossless=args.adaptive_lossless)))
             asyncio.run(run_phase(servers[-1][1], items, 0, 4, args.warmup, args.max_tokens))
         for name, phases in levels:
             runs: dict[str, list[dict]] = {label: [] for label, _ in servers}
@@ -221,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs[label].append(summarize(results, time.perf_counter() - started, items))
                     steps = {arm: n - steps_before.get(arm, 0.0) for arm, n in policy_steps(server).items()}
                     runs[label][-1]["policy_steps"] = {arm: n for arm, n in steps.items() if n}
-                    print(f"  {label:>14} {name} (round {round_ + 1}): {runs[label][-1]['tokens_per_s']:.1f} tokens/s",
+                    print(f"  {label:>18} {name} (round {round_ + 1}): {runs[label][-1]['tokens_per_s']:.1f} tokens/s",
                           file=sys.stderr)
             for label, rounds in runs.items():  # the median round by throughput
                 table[name][label] = sorted(rounds, key=lambda r: r["tokens_per_s"])[len(rounds) // 2]
@@ -230,14 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         for _, server in servers:
             server.close()
 
-    head = (f"{'level':<28} {'policy':<15} {'tok/s':>8} {'req/s':>7} {'lat p50':>8} {'p95':>7} {'p99':>7} "
+    head = (f"{'level':<28} {'policy':<19} {'tok/s':>8} {'req/s':>7} {'lat p50':>8} {'p95':>7} {'p99':>7} "
             f"{'ttft p50':>9} {'p95':>7} {'p99':>7} {'tok/fwd':>8} {'score':>6}")
     print(f"model {args.model}, {len(items)} held-out items, max_tokens {args.max_tokens}, max_batch {args.max_batch}, "
           f"adaptive floor {floor:g}")
     print(head)
     for name, row in table.items():
         for k, (label, s) in enumerate(row.items()):
-            print(f"{name if k == 0 else '':<28} {label:<15} {s['tokens_per_s']:>8.1f} {s['requests_per_s']:>7.2f} "
+            print(f"{name if k == 0 else '':<28} {label:<19} {s['tokens_per_s']:>8.1f} {s['requests_per_s']:>7.2f} "
                   f"{s['latency_p50']:>8.3f} {s['latency_p95']:>7.3f} {s['latency_p99']:>7.3f} {s['ttft_p50']:>9.3f} "
                   f"{s['ttft_p95']:>7.3f} {s['ttft_p99']:>7.3f} {s['tokens_per_forward']:>8.2f} {s['score']:>6.3f}")
         fixed = [s["tokens_per_s"] for label, s in row.items() if label != "adaptive"]

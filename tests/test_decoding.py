@@ -9,7 +9,7 @@ import torch
 from conftest import periodic, tiny_model, train_to_draft
 
 from mars.cli.generate import main as generate_cli
-from mars.decoding.loop import GenerationResult, accept, generate
+from mars.decoding.loop import CachedBatch, DecodeRow, GenerationResult, accept, generate
 from mars.errors import MarsError
 from mars.decoding.torch_backend import RowCache, TorchBackend
 
@@ -401,6 +401,39 @@ def test_lossless_rows_refill_and_mix_with_tau_rows_as_if_alone(drafting_model):
     assert backend.refilled == 4  # two rows, six prompts: continuous batching refilled four times
     lossless = [a for a, m in zip(alone, modes) if m == "lossless"]
     assert sum(len(a.token_ids) for a in lossless) > 2 * sum(a.forwards for a in lossless)
+
+
+def test_a_row_with_its_own_block_size_forwards_only_its_masks_and_decodes_as_at_that_block_size(drafting_model):
+    """In a batch of B = 4, a row of block size w forwards w - 1 masks (a lossless row: w - 1 drafts and
+    w - 1 masks) and a tau = 1 row none: the window is as wide as its widest row needs, and each row gets
+    the tokens and forwards it gets alone at its own block size."""
+    model = drafting_model
+    prompt = periodic(1, 7, seed=3000)[0]
+    backend = RecordingBackend(model)
+    batch = CachedBatch(backend, block_size=B, stop_ids=torch.tensor([DRAFT_EOS]), mask_id=MASK)
+    batch.add([DecodeRow(prompt, 11, lossless=True, block_size=2)])
+    while len(batch):
+        (update,) = [u for u in batch.step() if u.done] or [None]
+    alone = generate(model, None, [prompt], mode="lossless", block_size=2, max_new_tokens=11)[0]
+    assert update.token_ids == alone.token_ids == hf_greedy(model, [prompt], 11)[0]
+    assert update.forwards == alone.forwards
+    assert backend.widths[1:] == [1 + 1 + 1] * (len(backend.widths) - 1)  # the last token, a draft, a mask
+
+    prompts = [x[:n] for x, n in zip(periodic(3, 12, seed=2100), (7, 5, 9))] + random_prompts((6, 4, 8), seed=5)
+    settings = [("lossless", 1.0, 2), ("lossless", 1.0, None), ("tau", 0.5, 2), ("tau", 1.0, None),
+                ("lossless", 1.0, 3), ("tau", 0.5, 3)]
+    rows = [DecodeRow(p, 16, tau=t, lossless=m == "lossless", block_size=w, key=i)
+            for i, (p, (m, t, w)) in enumerate(zip(prompts, settings))]
+    backend = RecordingBackend(model)
+    batch = CachedBatch(backend, block_size=B, stop_ids=torch.tensor([DRAFT_EOS]), mask_id=MASK)
+    batch.add(rows)
+    done = {}
+    while len(batch):
+        done.update({u.row.key: u for u in batch.step() if u.done})
+    for i, (p, (m, t, w)) in enumerate(zip(prompts, settings)):
+        (alone,) = generate(model, None, [p], mode=m, tau=t, block_size=w or B, max_new_tokens=16)
+        assert (done[i].token_ids, done[i].forwards) == (alone.token_ids, alone.forwards), settings[i]
+    assert max(backend.widths[1:]) <= 2 * B - 1
 
 
 # ------------------------------------------------------------------------------------------- bad input

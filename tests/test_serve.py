@@ -201,6 +201,8 @@ def test_lossless_mode_and_block_size_per_request(server, release):
     reference = alone(release, PROMPTS[0], 1.0, 20)
     out = chat(server, PROMPTS[0], temperature=0, max_tokens=20, mode="lossless")
     assert out.choices[0].message.content == reference.text
+    narrow = chat(server, PROMPTS[0], temperature=0, max_tokens=20, mode="lossless", block_size=2)
+    assert narrow.choices[0].message.content == reference.text  # one draft a step: the same greedy tokens
     capped = chat(server, PROMPTS[1], temperature=0, max_tokens=20, tau=0.3, block_size=2)
     assert 1.0 < capped.usage.tokens_per_forward <= 2.0
     one = chat(server, PROMPTS[1], temperature=0, max_tokens=20, tau=0.3, block_size=1)
@@ -345,7 +347,8 @@ def test_rows_joining_a_running_batch_decode_as_they_would_alone():
 def test_a_row_moved_between_the_lossless_mode_and_tau_one_stays_greedy_and_drops_its_drafts():
     """The adaptive policy moves greedy rows between the lossless mode and the taus between steps: both
     lossless and tau = 1.0 are greedy, so a row flipped every step gets the greedy tokens; a row that
-    leaves the lossless mode with drafts pending forwards masks there, not its stale drafts."""
+    leaves the lossless mode with drafts pending drops them: at tau = 1 it forwards its real tokens only
+    (the rest of its window repeats the last one) and masks wait where the drafts were."""
     model = tiny_model("llama", seed=5, vocab=96)
     with torch.no_grad():
         model.lm_head.weight.mul_(60)
@@ -371,7 +374,10 @@ def test_a_row_moved_between_the_lossless_mode_and_tau_one_stays_greedy_and_drop
         u = int(batch.length[k] - batch.cached[k])  # its real tokens not in the cache yet
         out.update({r.row.key: r.token_ids for r in batch.step() if r.done})
         if leaving:
-            assert windows[-1][k, u:u + B - 1].tolist() == [95] * (B - 1)
+            window = windows[-1][k].tolist()
+            assert window[u:] == [window[u - 1]] * (len(window) - u)
+            length = int(batch.length[k])  # one token on: the drafts' other places hold masks again
+            assert batch.seq[k, length:length + B - 2].tolist() == [95] * (B - 2)
             checked += 1
         step += 1
     assert checked > 0 and step > 6
@@ -479,7 +485,8 @@ def test_adaptive_server_decodes_unnamed_taus_between_the_floor_and_one(release,
         assert 0.5 <= adaptive.metric("mars_tau_in_use") <= 1.0
         by_arm = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith("mars_policy_steps_total{")}  # where the policy spent its steps
-        assert {"lossless", "0.5", "1"} <= set(by_arm)  # its candidates: the floor, 1.0 and the lossless mode
+        # its candidates: the floor, 1.0 and the lossless mode, at B and at block size 2 (unmeasured: tried first)
+        assert {"lossless", "lossless:2", "0.5", "1"} <= set(by_arm)
         assert sum(by_arm.values()) <= adaptive.metric("mars_decoding_steps_total")
     finally:
         adaptive.stop()

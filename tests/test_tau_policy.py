@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from mars.serving.tau_policy import LOSSLESS, AdaptiveTau, TauRange
+from mars.serving.tau_policy import LOSSLESS, AdaptiveTau, TauRange, narrow_lossless
 
 B = 4
-SLOTS = {LOSSLESS: 2 * B - 1, 1.0: 1}  # any other arm (a tau < 1) reads B slots
+NARROW = narrow_lossless(2)  # the lossless mode at block size 2: the last token, a draft and a mask
+SLOTS = {LOSSLESS: 2 * B - 1, NARROW: 3, 1.0: 1}  # any other arm (a tau < 1) reads B slots
 
 
 def slots(arm) -> int:
@@ -19,7 +20,7 @@ def test_the_candidate_taus_are_the_floor_and_one():
     """A tau between them reads the floor's window at its cost and accepts no more: it is never faster."""
     assert TauRange(default=0.9, floor=0.7).candidates() == [0.7, 1.0]
     assert TauRange(default=0.9, floor=0.9).candidates() == [0.9, 1.0]
-    assert AdaptiveTau(TauRange(default=0.9, floor=0.7), lossless=True).candidates == [0.7, 1.0, LOSSLESS]
+    assert AdaptiveTau(TauRange(default=0.9, floor=0.7), lossless=True).candidates == [0.7, 1.0, LOSSLESS, NARROW]
 
 
 def test_adaptive_policy_lowers_tau_only_while_the_wide_window_pays():
@@ -42,7 +43,7 @@ def test_the_lossless_mode_is_a_candidate_for_greedy_rows_where_its_widest_windo
     costs = {"few rows": {1: 0.010, B: 0.011, 2 * B - 1: 0.0115}, "many rows": {1: 0.010, B: 0.015, 2 * B - 1: 0.030}}
     picked = {}
     for load, cost in costs.items():
-        policy = AdaptiveTau(taus, lossless=True)
+        policy = AdaptiveTau(taus, lossless=True, lossless_block_sizes=())
         for _ in range(300):
             arm = policy.choose([], 4, B)
             slots = 2 * B - 1 if arm == LOSSLESS else B if arm < 1 else 1
@@ -55,11 +56,30 @@ def test_the_lossless_mode_is_a_candidate_for_greedy_rows_where_its_widest_windo
     assert AdaptiveTau(taus).candidates == [0.5, 1.0]  # off unless asked for
 
 
+def test_the_lossless_mode_narrows_where_a_wide_window_costs_much():
+    """At block size 2 a lossless row reads 3 slots instead of 2B-1 = 7 and yields fewer tokens (one draft
+    a step, not B-1): the full width wins while a wide step costs little more than a narrow one, the
+    narrow one where a wide step is dear (many rows); a checkpoint of B = 2 has no narrower width."""
+    taus = TauRange(default=0.9, floor=0.9)
+    gain = {LOSSLESS: 1.9, NARROW: 1.6, 0.9: 1.3}
+    costs = {"few rows": {1: 0.0100, 3: 0.0102, B: 0.0104, 7: 0.0108},
+             "many rows": {1: 0.0100, 3: 0.0130, B: 0.0150, 7: 0.0210}}
+    picked = {}
+    for load, cost in costs.items():
+        policy = AdaptiveTau(taus, lossless=True)
+        arms = drive(policy, 600, lambda step: 1.0, gain, cost)
+        picked[load] = policy.best([], 10, B)
+        assert arms[-200:].count(picked[load]) > 190, load
+    assert picked == {"few rows": LOSSLESS, "many rows": NARROW}  # 1.9/10.8 > 1.6/10.2; 1.6/13 > 1/10 > 1.9/21
+    assert NARROW not in {AdaptiveTau(taus, lossless=True).choose([], 4, 2) for _ in range(400)}
+
+
 def test_rows_move_into_or_out_of_the_lossless_mode_only_for_a_gain_above_the_margin():
     """A move costs a step without drafts, so a 3% predicted gain keeps the rows where they are and a
     10% one moves them."""
     for gain, moves in ((1.03, False), (1.10, True)):
-        policy = AdaptiveTau(TauRange(default=1.0, floor=1.0), lossless=True, explore_every=10 ** 6)
+        policy = AdaptiveTau(TauRange(default=1.0, floor=1.0), lossless=True, lossless_block_sizes=(),
+                             explore_every=10 ** 6)
         for arm, tpf in ((LOSSLESS, 1.5), (1.0, 1.0)):
             policy._explore(arm)
             policy.observe(1, 2 * B - 1 if arm == LOSSLESS else 1, 0.010 * 1.5 if arm == LOSSLESS else 0.010,
@@ -95,7 +115,7 @@ def drive(policy: AdaptiveTau, steps: int, difficulty, gain: dict, cost: dict, r
         arm = policy.choose([], rows, B)
         exploring = policy._phase == "explore"
         tpf = 1.0 if arm == 1.0 else difficulty(step) * gain[arm]
-        moved_in = arm == LOSSLESS and before != LOSSLESS
+        moved_in = arm in (LOSSLESS, NARROW) and before not in (LOSSLESS, NARROW)
         policy.observe(rows, slots(arm), cost[slots(arm)], {} if moved_in else {arm: (round(tpf * rows), rows)})
         arms += [] if exploring else [arm]
         before = arm
@@ -110,7 +130,7 @@ def test_tokens_per_forward_is_compared_on_the_same_requests_not_across_time():
     requests the other arm's window still reads the hard ones); the paired estimate reads the ratio off
     explorations bracketed by the settled arm's steps on the same rows, so the policy stays in the
     lossless mode through every change of request."""
-    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, explore_every=20)
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(), explore_every=20)
     hard_easy = lambda step: 1.2 if (step // 400) % 2 == 0 else 3.0
     arms = drive(policy, 4000, hard_easy, {LOSSLESS: 1.1, 0.9: 1.0}, {1: 0.010, B: 0.012, 2 * B - 1: 0.012})
     settled = arms[400:]
@@ -122,7 +142,8 @@ def test_tokens_per_forward_is_compared_on_the_same_requests_not_across_time():
 
 
 def test_the_paired_ratio_is_one_number_whichever_arm_was_explored():
-    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, explore_every=10 ** 6)
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(),
+                         explore_every=10 ** 6)
     drive(policy, 40, lambda step: 2.0, {LOSSLESS: 1.25, 0.9: 1.0}, {1: 0.010, B: 0.011, 2 * B - 1: 0.011})
     assert policy._settled == LOSSLESS
     ratio = policy.tokens_per_forward(LOSSLESS) / policy.tokens_per_forward(0.9)

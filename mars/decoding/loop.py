@@ -18,6 +18,8 @@ the mask slots give the next B-1 drafts (as many as the token budget can use); a
 the next forward starts from the corrected token and fresh masks. Only verified tokens are committed
 to the cache. The output is greedy AR token for token, at 1..B tokens per forward (1 for the prompt's
 forward and after a wrong draft); tau plays no part. Windows are at most 2B-1 wide, as in tau mode.
+A row's own block size w < B (``DecodeRow.block_size``) makes it w-1 drafts and w-1 masks: a 2w-1 window,
+the same greedy tokens (where a wide step costs much, a narrow one yields more tokens per second).
 
 Three ways to run the same rule, all giving the same tokens:
 
@@ -251,8 +253,8 @@ class DecodeRow:
     ``tau`` and ``lossless`` may be changed between steps (the serving policy does; a row leaving the
     lossless mode drops its pending drafts, which were never output); ``sampler`` (None: greedy) draws a
     token per slot from the slot logits ``[S, V]`` (:class:`mars.decoding.sampling.Sampler`);
-    ``block_size`` (<= the batch's B; None: B) caps the tokens a step may accept (a lossless row's
-    drafts + 1); ``stream`` rows report their accepted tokens after every step, the others only when
+    ``block_size`` w (<= the batch's B; None: B) caps the tokens a step may accept and the masks it
+    forwards (w - 1; a lossless row's drafts + 1 and its next drafts); ``stream`` rows report their accepted tokens after every step, the others only when
     they finish. A row whose ``cancelled`` is set (any thread) leaves the batch before the next step,
     with no update. ``key`` is the caller's.
     """
@@ -271,6 +273,15 @@ class DecodeRow:
     @property
     def needs_masks(self) -> bool:
         return (self.tau < 1.0 or self.lossless) and (self.block_size is None or self.block_size > 1)
+
+    def slots(self, block_size: int) -> int:
+        """The slots a step reads for this row in a batch of B = ``block_size``: 1 at tau = 1; its own
+        block size w (<= B) at a tau < 1; 2w - 1 in the lossless mode (the last token, w - 1 drafts, w - 1
+        masks). A serving policy times steps by the widest row's."""
+        if not self.needs_masks or block_size < 2:
+            return 1
+        w = min(self.block_size or block_size, block_size)
+        return 2 * w - 1 if self.lossless else w
 
 
 @dataclass
@@ -294,7 +305,8 @@ class CachedBatch:
     next row added before the next step (its cache row is reset: continuous batching); finished rows
     not refilled by then leave the batch (``retain``), and rows beyond the finished ones join at the end
     (``extend``) or, into an empty batch, through ``start``. Each step reads B slots when some live row
-    needs masks (tau < 1 or lossless), else 1. The block-level cache (``b_cache=C``) takes its rows in
+    needs masks (tau < 1 or lossless), else 1; a row forwards only its own masks (none at tau = 1, w - 1
+    with its own block size w), and the window is as wide as the widest row needs. The block-level cache (``b_cache=C``) takes its rows in
     one :meth:`add` before the first step and steps them in lockstep.
 
     Bookkeeping lives in small CPU tensors; the backend sees one window per step and syncs once per step
@@ -459,7 +471,12 @@ class CachedBatch:
                          self.mask_id)
             drafts = self.drafts = torch.where(left, 0, drafts)
         u = length - cached  # real tokens not in the cache yet (>= 1)
-        need = u + drafts + slots - 1  # window entries a row reads up to: its real tokens, drafts, masks
+        # a tau row takes at most its own block size w (<= B) a step and forwards w-1 masks; a lossless row
+        # verifies its drafts and forwards w-1 masks for the next ones; a tau = 1 row forwards no mask
+        caps = [min(r.block_size or slots, slots) for r in rows]
+        cap = torch.tensor(caps)
+        masks = torch.tensor([c - 1 if r.needs_masks else 0 for r, c in zip(rows, caps)])
+        need = u + drafts + masks  # window entries a row reads up to: its real tokens, drafts, masks
         if block is None:
             width, stepping = int(need.max()), None
             # Past its need (a refilled row's prompt widens the window) a row repeats its last entry:
@@ -472,17 +489,14 @@ class CachedBatch:
             stepping = torch.ones_like(u, dtype=torch.bool) if commit_now else u <= block
             width = max(block, int(need[stepping].max()))
             index = cached[:, None] + self.offsets[:width]
-        self.last_slots = slots
+        self.last_slots = max(r.slots(slots) for r in rows)
         # A row reads its last real token, each draft (lossless) and each mask; past them it re-reads
         # its last entry (unused), and a waiting row's reads stay inside the window.
         read_slot = torch.arange(slots + int(drafts.max()))
         read = torch.minimum((u - 1)[:, None] + read_slot, (need - 1)[:, None]).clamp(max=width - 1)
         draft_ids = torch.where(read_slot[:-1] < drafts[:, None], seq.gather(1, (length[:, None] + read_slot[:-1])), -1)
         logits = self.backend.forward(put(seq.gather(1, index)), put(index), put(read))
-        # a tau row takes at most B slots (its own block size), a lossless row its drafts + 1; a waiting
-        # row takes nothing
-        cap = torch.tensor([min(r.block_size or slots, slots) for r in rows]) \
-            if any(r.block_size for r in rows) else torch.tensor(slots)
+        # a tau row takes at most its cap, a lossless row its drafts + 1; a waiting row takes nothing
         step_room = torch.minimum(self.room_left, torch.where(lossless, drafts + 1, cap))
         if stepping is not None:
             step_room = torch.where(stepping, step_room, 0)

@@ -29,7 +29,7 @@ from mars.decoding.sampling import Sampler, SamplingParams
 from mars.decoding.stop_strings import StopStrings
 from mars.errors import MarsError
 from mars.serving.served_model import ServedModel
-from mars.serving.tau_policy import LOSSLESS
+from mars.serving.tau_policy import arm_block_size, arm_of, is_lossless
 
 log = logging.getLogger("mars.serve")
 
@@ -190,8 +190,12 @@ class Engine:
             named_lossless = sum(1 for r in live if not r.key and r.lossless)
             arm = self.policy.choose(fixed, len(policy_rows), b_size, named_lossless,
                                      greedy=all(r.sampler is None for r in policy_rows))
-            for r in policy_rows:
-                r.lossless, r.tau = (True, 1.0) if arm == LOSSLESS else (False, arm)
+            for r in policy_rows:  # a narrow lossless arm narrows a row; a row's own block size stays its cap
+                named = self.handles[id(r)].request.block_size
+                if is_lossless(arm):
+                    r.lossless, r.tau, r.block_size = True, 1.0, min(arm_block_size(arm, b_size), named or b_size)
+                else:
+                    r.lossless, r.tau, r.block_size = False, arm, named
         rows = len(batch)
         updates = batch.step()
         for u in updates:
@@ -206,14 +210,13 @@ class Engine:
                 handle.push(Finished(u.token_ids, u.forwards, "stop" if u.stopped else "length", handle.taus,
                                      handle.lossless_steps))
         seconds = time.perf_counter() - started
-        # the cost class of the step: 1, B, or 2B-1 while a lossless row drafts (its window is the widest)
-        slots = 2 * b_size - 1 if b_size > 1 and any(u.row.lossless for u in updates) else batch.last_slots
+        slots = batch.last_slots  # the cost class of the step: its widest row's (1, w, or 2w-1 in the lossless mode)
         accepted: dict = {}
         joined = {id(r) for r in joining}
         for u in updates:
             if u.row.lossless and id(u.row) not in self._lossless_before and id(u.row) not in joined:
                 continue  # just moved into the lossless mode: a step without drafts, a cost of the move
-            entry = accepted.setdefault(LOSSLESS if u.row.lossless else u.row.tau, [0, 0])
+            entry = accepted.setdefault(arm_of(u.row.tau, u.row.lossless, u.row.block_size, b_size), [0, 0])
             entry[0], entry[1] = entry[0] + len(u.new_tokens), entry[1] + 1
         self._lossless_before = {id(u.row) for u in updates if u.row.lossless and not u.done}
         decoding = not joining  # a joining row's first window is its whole prompt: not a decoding step's cost

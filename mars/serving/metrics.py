@@ -4,8 +4,9 @@ What an operator (and the HorizontalPodAutoscaler, through the Prometheus adapte
 ``mars_queue_depth`` (requests waiting for a batch row), ``mars_running_requests``, ``mars_tau_in_use``
 (the policy's current tau), ``mars_lossless_in_use`` (1 while the adaptive policy decodes greedy rows in
 the lossless mode), ``mars_step_cost_seconds{batch, window}`` (the measured decoding-step cost the
-adaptive policy decides on; window: the slots read per row, 1, B, or 2B-1 while a lossless row drafts),
-``mars_tokens_per_forward{tau}`` (tau="lossless" for the lossless mode), ``mars_policy_steps_total{arm}``
+adaptive policy decides on; window: the widest row's slots, 1, w at a tau < 1, 2w-1 in the lossless
+mode at block size w), ``mars_tokens_per_forward{tau}`` (tau="lossless" for the lossless mode,
+"lossless:w" for it at a block size w below the checkpoint's), ``mars_policy_steps_total{arm}``
 (steps by the arm the policy chose: where the adaptive policy spends its time),
 counters of requests by status, generated tokens and decoding steps, a step-time histogram, and
 ``mars_release_info`` (which release serves new requests).
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from mars.serving.tau_policy import LOSSLESS
+from mars.serving.tau_policy import is_lossless
 
 
 class ServerMetrics:
@@ -72,7 +73,7 @@ class ServerMetrics:
         policy = self._policy
         if policy is not None:
             self.tau.set(policy.tau)
-            self.lossless.set(getattr(policy, "arm", None) == LOSSLESS)
+            self.lossless.set(is_lossless(getattr(policy, "arm", None)))
             for tau in list(getattr(policy, "tpf", ())):  # a copy: the engine thread writes it
                 value = policy.tokens_per_forward(tau)  # the estimate the policy decides on
                 if value is not None:

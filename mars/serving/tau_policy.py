@@ -38,6 +38,11 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   so a tau must predict more than ``switch_margin`` above it to take the rows out (on SmolLM2 in bf16 it
   was the fastest fixed setting at every load; at 16 rows plain tau = 1 predicted within a few percent of it
   and, settled from the release's tau, the policy spent part of a bursty trace there).
+* the lossless mode also comes narrower (``lossless_block_sizes``, default 2): at block size w < B a row
+  forwards w - 1 drafts and w - 1 masks, a 2w-1 window, for the same greedy tokens at fewer tokens/forward.
+  The width is the knob load turns: on SmolLM2 in bf16 (in-process, 2 threads) the lossless mode at B = 4
+  was 10% ahead of w = 2 at one stream and w = 2 12% ahead of B = 4 at 16, where a 7-slot step costs 2x a
+  1-slot one. Moving between lossless widths keeps a row's drafts (a narrower row verifies what it has).
 
 Unmeasured candidates are tried first (each for a few steps), and every ``explore_every``-th decision
 re-measures the candidate measured longest ago, so the estimates follow the load. A step cost measured
@@ -55,7 +60,29 @@ from mars.errors import ConfigError
 
 POLICIES = ("fixed", "adaptive")
 LOSSLESS = "lossless"  # the adaptive policy's candidate beside the taus (a row in the lossless mode)
-Arm = float | str  # a tau, or LOSSLESS
+Arm = float | str  # a tau, LOSSLESS (at the checkpoint's B) or a narrower lossless arm, "lossless:w"
+
+
+def narrow_lossless(width: int) -> str:
+    """The arm of the lossless mode at block size ``width`` < B: w - 1 drafts and w - 1 masks a step."""
+    return f"{LOSSLESS}:{width}"
+
+
+def is_lossless(arm: Arm) -> bool:
+    return isinstance(arm, str) and (arm == LOSSLESS or arm.startswith(LOSSLESS + ":"))
+
+
+def arm_block_size(arm: Arm, block_size: int) -> int:
+    """The block size a row decodes at under ``arm`` in a batch of B = ``block_size``."""
+    return int(arm.split(":")[1]) if isinstance(arm, str) and ":" in arm else block_size
+
+
+def arm_of(tau: float, lossless: bool, row_block_size: int | None, block_size: int) -> Arm:
+    """The arm a row decodes at: its tau, or the lossless arm of its block size."""
+    if not lossless:
+        return tau
+    width = min(row_block_size or block_size, block_size)
+    return LOSSLESS if width >= block_size else narrow_lossless(width)
 
 
 @dataclass
@@ -112,11 +139,12 @@ class AdaptiveTau:
     def __init__(self, taus: TauRange, *, tpf_samples: int = 128, pair_samples: int = 1024, cost_samples: int = 15,
                  cell_samples: int = 5, explore_steps: int = 3,
                  explore_every: int = 150, rescore_every: int = 8, switch_margin: float = 0.05,
-                 candidates: Sequence[float] | None = None, lossless: bool = False):
+                 candidates: Sequence[float] | None = None, lossless: bool = False,
+                 lossless_block_sizes: Sequence[int] = (2,)):
         self.taus = taus
         self.candidates: list[Arm] = sorted(candidates) if candidates else taus.candidates()
-        if lossless:
-            self.candidates.append(LOSSLESS)
+        if lossless:  # narrow arms only where the batch's B is wider (see _open)
+            self.candidates += [LOSSLESS, *(narrow_lossless(w) for w in sorted(set(lossless_block_sizes)) if w >= 2)]
         # tokens/forward of an arm: over its last `tpf_samples` row-steps (a step of 16 rows counts 16)
         self.tpf_samples, self.cost_samples, self.cell_samples = tpf_samples, cost_samples, cell_samples
         # a paired ratio is a property of the model and the traffic, not of the load: a long memory
@@ -152,7 +180,7 @@ class AdaptiveTau:
     @property
     def tau(self) -> float:
         """The tau a policy row decodes at now (the lossless mode's output is tau = 1.0's)."""
-        return 1.0 if self.arm == LOSSLESS else self.arm
+        return 1.0 if is_lossless(self.arm) else self.arm
 
     # -- measurements ------------------------------------------------------------------------------
     def observe(self, batch: int, slots: int, seconds: float | None, accepted: dict[Arm, tuple[int, int]]) -> None:
@@ -314,12 +342,10 @@ class AdaptiveTau:
 
     @staticmethod
     def _window(arm: Arm, fixed_taus: Sequence[float], block_size: int, lossless_rows: int) -> int:
-        """The slots a row reads in a step where the policy rows decode at ``arm``."""
-        if arm == LOSSLESS or lossless_rows:
-            return 2 * block_size - 1
-        if arm < 1.0 or any(t < 1.0 for t in fixed_taus):
-            return block_size
-        return 1
+        """The slots the widest row reads in a step where the policy rows decode at ``arm``."""
+        own = 2 * arm_block_size(arm, block_size) - 1 if is_lossless(arm) else block_size if arm < 1.0 else 1
+        named = 2 * block_size - 1 if lossless_rows else block_size if any(t < 1.0 for t in fixed_taus) else 1
+        return max(own, named)
 
     def _scores(self, arms: Sequence[Arm], fixed_taus: Sequence[float], policy_rows: int, block_size: int,
                 lossless_rows: int) -> dict[Arm, float | None]:
@@ -335,11 +361,14 @@ class AdaptiveTau:
 
     def _tpf_near(self, tau: float) -> float:
         """A named tau's tokens/forward: that of the nearest measured candidate tau (1.0 while none is)."""
-        known = [t for t in self.tpf if t != LOSSLESS and (t in self.candidates or t == 1.0)]
+        known = [t for t in self.tpf if not is_lossless(t) and (t in self.candidates or t == 1.0)]
         return self.tokens_per_forward(min(known, key=lambda t: abs(t - tau))) if tau < 1.0 and known else 1.0
 
-    def _open(self, greedy: bool) -> list[Arm]:
-        return self.candidates if greedy else [a for a in self.candidates if a != LOSSLESS]
+    def _open(self, greedy: bool, block_size: int) -> list[Arm]:
+        """The candidates for this step: no lossless arm while a policy row samples, no narrow lossless arm
+        as wide as the batch's B."""
+        return [a for a in self.candidates if not is_lossless(a) or
+                (greedy and (a == LOSSLESS or arm_block_size(a, block_size) < block_size))]
 
     def choose(self, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
                lossless_rows: int = 0, greedy: bool = True) -> Arm:
@@ -348,7 +377,7 @@ class AdaptiveTau:
         if not policy_rows or not block_size or block_size < 2:
             return self.arm
         self.decisions += 1
-        open_ = self._open(greedy)
+        open_ = self._open(greedy, block_size)
         if self._exploring is not None:
             arm, left = self._exploring
             self._exploring = (arm, left - 1) if left > 1 else None
@@ -369,7 +398,7 @@ class AdaptiveTau:
             return self._explore(min(open_, key=lambda a: self.last_seen.get(a, -1)))
         self._scored = (batch, self.decisions)
         settled = self._settled
-        if (best == LOSSLESS) != (settled == LOSSLESS) and settled in scores:
+        if is_lossless(best) != is_lossless(settled) and settled in scores:
             now = scores[settled]
             if now and scores[best] < now * (1 + self.switch_margin):
                 best = settled
@@ -380,10 +409,11 @@ class AdaptiveTau:
              lossless_rows: int = 0, greedy: bool = True) -> Arm | None:
         """The candidate with the highest predicted tokens/s (ties: the narrower window); None while
         some candidate is unmeasured."""
-        return _best(self._scores(self._open(greedy), fixed_taus, policy_rows, block_size, lossless_rows))
+        return _best(self._scores(self._open(greedy, block_size), fixed_taus, policy_rows, block_size, lossless_rows))
 
     def _explore(self, arm: Arm) -> Arm:
-        steps = self.explore_steps + (arm == LOSSLESS)  # its first step has no drafts yet (not counted)
+        # a move into the lossless mode: its first step has no drafts yet (not counted)
+        steps = self.explore_steps + (is_lossless(arm) and not is_lossless(self._settled))
         self._exploring = (arm, steps - 1) if steps > 1 else None
         self._close_bracket()
         if arm != self._settled and arm != 1.0:  # tau = 1's tokens/forward is known: nothing to pair
@@ -408,8 +438,11 @@ def _best(scores: dict[Arm, float | None]) -> Arm | None:
 
 
 def _width_order(arm: Arm) -> float:
-    """Lower first: the lossless mode (the widest window), then the taus from low to high."""
-    return -1.0 if arm == LOSSLESS else arm
+    """Lower first: the lossless arms from the widest window (at the checkpoint's B) to the narrowest, then
+    the taus from low to high."""
+    if is_lossless(arm):
+        return -1.0 if arm == LOSSLESS else -1.0 + 1.0 / arm_block_size(arm, 0)
+    return arm
 
 
 def make_policy(kind: Literal["fixed", "adaptive"], taus: TauRange, *, lossless: bool = False):
