@@ -48,8 +48,6 @@ Unmeasured candidates are tried first (each for a few steps), and every ``explor
 re-measures the candidate measured longest ago, so the estimates follow the load. A step cost measured
 only a few times at this batch size is read off a line through the window's measured batch sizes
 (:meth:`AdaptiveTau.step_cost`): under a changing load most batch sizes are visited for a step or two.
-A contender close to the best whose cost here is still such a line is measured here (every
-``probe_every``-th decision, until its cell holds enough samples: :meth:`AdaptiveTau._contender`).
 """
 
 from __future__ import annotations
@@ -141,7 +139,6 @@ class AdaptiveTau:
     def __init__(self, taus: TauRange, *, tpf_samples: int = 128, pair_samples: int = 1024, cost_samples: int = 15,
                  cell_samples: int = 5, explore_steps: int = 3,
                  explore_every: int = 150, rescore_every: int = 8, switch_margin: float = 0.05,
-                 probe_every: int = 12, probe_within: float = 0.10,
                  candidates: Sequence[float] | None = None, lossless: bool = False,
                  lossless_block_sizes: Sequence[int] = (2,)):
         self.taus = taus
@@ -154,9 +151,6 @@ class AdaptiveTau:
         self.pair_samples = pair_samples
         self._accepted: dict[Arm, tuple[deque, list[int]]] = {}
         self.explore_steps, self.explore_every = explore_steps, explore_every
-        # every `probe_every` decisions, a contender (predicted within `probe_within` of the best) whose step
-        # cost at this batch size is still read off a line is measured here (see _contender)
-        self.probe_every, self.probe_within = probe_every, probe_within
         # the same batch (rows, named taus, greedy) is re-scored every `rescore_every` decisions, not every
         # step: on the default profile's toy a step is ~1.2 ms and scoring every arm took ~20 us of it
         self.rescore_every = rescore_every
@@ -392,8 +386,7 @@ class AdaptiveTau:
             self._exploring = None
         batch = (policy_rows, tuple(fixed_taus), lossless_rows, greedy)
         due = self.decisions % self.explore_every == 0
-        probe = self.decisions % self.probe_every == 0
-        if not (due or probe) and batch == self._scored[0] and self.decisions - self._scored[1] < self.rescore_every:
+        if not due and batch == self._scored[0] and self.decisions - self._scored[1] < self.rescore_every:
             return self._use(self._settled)  # the same batch, scored a few steps ago: estimates move slowly
         scores = self._scores(open_, fixed_taus, policy_rows, block_size, lossless_rows)
         best = _best(scores)
@@ -403,10 +396,6 @@ class AdaptiveTau:
         if due:
             self._scored = (None, 0)
             return self._explore(min(open_, key=lambda a: self.last_seen.get(a, -1)))
-        contender = self._contender(scores, fixed_taus, policy_rows, block_size, lossless_rows) if probe else None
-        if contender is not None:
-            self._scored = (None, 0)
-            return self._explore(contender)
         self._scored = (batch, self.decisions)
         settled = self._settled
         if is_lossless(best) != is_lossless(settled) and settled in scores:
@@ -415,20 +404,6 @@ class AdaptiveTau:
                 best = settled
         self._settled = best
         return self._use(best)
-
-    def _contender(self, scores: dict[Arm, float], fixed_taus: Sequence[float], policy_rows: int, block_size: int,
-                   lossless_rows: int) -> Arm | None:
-        """The arm to measure at this batch size: not the settled one, predicted within ``probe_within`` of
-        the best, its step cost here not well measured (the closest first). A line through a window's
-        cells at other batch sizes extrapolates badly: on SmolLM2 in bf16 the lossless mode's lines, drawn
-        through 1-4 rows, read 16 rows far off, and at 16 streams the policy stayed at tau = 1 (87% of its
-        steps) while the lossless mode at block size 2 was 8% faster. Once the contenders' cells here are
-        well measured, decisions read medians measured where they are made, and the probes stop."""
-        batch = policy_rows + len(fixed_taus) + lossless_rows
-        top = max(scores.values())
-        thin = [a for a, v in scores.items() if a != self._settled and v >= (1 - self.probe_within) * top
-                and not self._well_measured(batch, self._window(a, fixed_taus, block_size, lossless_rows))]
-        return max(thin, key=lambda a: scores[a]) if thin else None
 
     def best(self, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
              lossless_rows: int = 0, greedy: bool = True) -> Arm | None:
