@@ -46,8 +46,9 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
 
 Unmeasured candidates are tried first (each for a few steps), and every ``explore_every``-th decision
 re-measures the candidate measured longest ago, so the estimates follow the load. A step cost measured
-only a few times at this batch size is read off a line through the window's measured batch sizes
-(:meth:`AdaptiveTau.step_cost`): under a changing load most batch sizes are visited for a step or two.
+only a few times at this batch size is read off a cost model fitted over every measured cell (a fixed
+part, a part per row and a part per token forwarded: :meth:`AdaptiveTau.step_cost`):
+under a changing load most batch sizes are visited for a step or two.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class AdaptiveTau:
         self._settled: Arm = LOSSLESS if lossless else taus.default  # the last choice that was not an exploration
         self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
         self._recent: dict[tuple[int, int], deque] = {}
-        self._lines: dict[int, tuple[float, float] | None] = {}  # slots -> (a, c): see step_cost
+        self._model: tuple[tuple[float, float, float] | None, set[int]] | None = None  # see _cost_model
         self.tpf: dict[Arm, float] = {1.0: 1.0}  # arm -> tokens per row and forward in its own window
         # paired ratios (see the module docstring): (arm a, arm b) -> ([(a tokens, a rows, b tokens, b rows)]
         # per exploration of one beside the other, their sums); the settled arm's last steps; the open bracket
@@ -192,7 +193,7 @@ class AdaptiveTau:
             recent.append(seconds)
             ordered, mid = sorted(recent), len(recent) // 2  # the median (statistics.median is ~3x slower)
             self.cost[(batch, slots)] = ordered[mid] if len(recent) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-            self._lines.pop(slots, None)
+            self._model = None
         for arm, (tokens, rows) in accepted.items():
             if rows and arm != 1.0 and arm in self.candidates:  # a request's own tau is not a candidate
                 window, sums = self._accepted.setdefault(arm, (deque(), [0, 0]))  # sums: tokens, rows in it
@@ -279,62 +280,55 @@ class AdaptiveTau:
         ratio = (a_tokens / a_rows) / (b_tokens / b_rows)
         return ratio if key[0] == arm else 1.0 / ratio
 
-    def step_cost(self, batch: int, slots: int, lines: bool = False) -> float | None:
-        """The cell's median once it holds ``cell_samples`` samples (unless ``lines``); else a line (seconds =
-        a + c x batch, least squares over this window's cells, each weighted by its samples) through every batch size
-        measured at this window, so that a batch size visited for a step or two (a load passing by) is read
-        off the window's whole record rather than one noisy sample; with one batch size measured at this
-        window, its cost scaled by another window's line; None while the window was never measured.
-        ``lines``: the line even for a well-measured cell (see :meth:`_scores`)."""
-        if not lines and self._well_measured(batch, slots):
+    def step_cost(self, batch: int, slots: int, modelled: bool = False) -> float | None:
+        """The cell's median once it holds ``cell_samples`` samples (unless ``modelled``); else the cost model
+        (:meth:`_cost_model`), so that a batch size visited for a step or two (a load passing by) is read
+        off the whole record rather than one noisy sample; None while the window was never measured.
+        ``modelled``: the model even for a well-measured cell (see :meth:`_scores`)."""
+        if not modelled and self._well_measured(batch, slots):
             return self.cost[(batch, slots)]
-        line = self._line(slots)
-        if line is not None:
-            return line[0] + line[1] * batch
-        cells = [(abs(b - batch), b) for b, w in self.cost if w == slots]
-        if not cells:
+        shape, windows = self._cost_model()
+        if slots not in windows:
             return None
-        near = min(cells)[1]
-        for other in sorted({w for _, w in self.cost} - {slots}):
-            shape = self._line(other)
-            if shape is not None:
-                return self.cost[(near, slots)] * (shape[0] + shape[1] * batch) / (shape[0] + shape[1] * near)
-        return self.cost[(near, slots)]
+        if shape is None:  # too few cells for a shape: the window's nearest batch size as measured
+            near = min((abs(b - batch), b) for b, w in self.cost if w == slots)[1]
+            return self.cost[(near, slots)]
+        a, c, d = shape
+        return a + c * batch + d * batch * slots
 
     def _well_measured(self, batch: int, slots: int) -> bool:
         recent = self._recent.get((batch, slots))
         return recent is not None and len(recent) >= self.cell_samples
 
-    def _line(self, slots: int) -> tuple[float, float] | None:
-        """(a, c) of seconds = a + c x batch at this window, through its well-measured cells where there
-        are two, else through all; None below two batch sizes. The slope is kept >= 0 (a step never gets
-        cheaper with more rows; a negative fit is noise)."""
-        if slots in self._lines:
-            return self._lines[slots]
-        cells = [(b, self.cost[(b, w)], len(self._recent[(b, w)])) for b, w in self.cost if w == slots]
-        trusted = [cell for cell in cells if cell[2] >= self.cell_samples]
-        cells = trusted if len(trusted) >= 2 else cells  # thin cells only shape the line while too few are not
-        line = None
-        if len(cells) >= 2:
-            total = sum(n for _, _, n in cells)
-            mean_b = sum(b * n for b, _, n in cells) / total
-            mean_s = sum(s * n for _, s, n in cells) / total
-            spread = sum(n * (b - mean_b) ** 2 for b, _, n in cells)
-            slope = max(0.0, sum(n * (b - mean_b) * (s - mean_s) for b, s, n in cells) / spread)
-            line = (mean_s - slope * mean_b, slope)
-        self._lines[slots] = line
-        return line
+    def _cost_model(self) -> tuple[tuple[float, float, float] | None, set[int]]:
+        """``(a, c, d), windows``: seconds = a + c x batch + d x batch x slots, and the windows measured so
+        far. A step costs a fixed part, a part per row and a part per token forwarded (rows x slots), so the
+        shape is fitted over every cell of every window at once (least squares, each cell weighted by its
+        samples, over the well-measured cells where they determine it; c and d kept >= 0: a step never
+        gets cheaper with more rows or tokens). Why one shape: the windows the policy is not settled in
+        are measured only where it explored them, often at other loads, and a line per window drawn
+        through a few nearby batch sizes extrapolates badly: in-process on SmolLM2 in bf16 the line
+        through the 7-slot window's cells read 72 ms at 16 rows, where that forward alone takes 92 ms, and
+        at 16 streams the policy with such lines stayed at tau = 1 for 87% of its steps while the lossless
+        mode at block size 2 was 8% faster. The cost per token forwarded is the same in every window."""
+        if self._model is not None:
+            return self._model
+        cells = [(b, w, self.cost[(b, w)], len(self._recent[(b, w)])) for b, w in self.cost]
+        trusted = [cell for cell in cells if cell[3] >= self.cell_samples]
+        shape = _shape(trusted) or _shape(cells)  # thin cells (a passing load's one sample) only where needed
+        self._model = (shape, {w for _, w, _, _ in cells})
+        return self._model
 
     # -- decision ----------------------------------------------------------------------------------
     def predict(self, arm: Arm, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
-                lossless_rows: int = 0, lines: bool = False) -> float | None:
+                lossless_rows: int = 0, modelled: bool = False) -> float | None:
         """Predicted generated tokens/s of the batch if its policy rows decode at ``arm`` (``lossless_rows``:
-        rows that asked for the lossless mode themselves; ``lines``: see :meth:`step_cost`)."""
+        rows that asked for the lossless mode themselves; ``modelled``: see :meth:`step_cost`)."""
         tpf = self.tokens_per_forward(arm)
         if tpf is None:
             return None
         slots = self._window(arm, fixed_taus, block_size, lossless_rows)
-        cost = self.step_cost(policy_rows + len(fixed_taus) + lossless_rows, slots, lines)
+        cost = self.step_cost(policy_rows + len(fixed_taus) + lossless_rows, slots, modelled)
         if not cost:
             return None
         named = sum(self._tpf_near(t) for t in fixed_taus) + lossless_rows * (self.tokens_per_forward(LOSSLESS) or 1.0)
@@ -350,14 +344,14 @@ class AdaptiveTau:
     def _scores(self, arms: Sequence[Arm], fixed_taus: Sequence[float], policy_rows: int, block_size: int,
                 lossless_rows: int) -> dict[Arm, float | None]:
         """``predict`` for each arm, all at the same kind of step cost: the cells' medians where every
-        window compared is well measured at this batch size, else every window's line. A cell's median
-        wanders by ~5% around its line on a busy CPU; set against another window's line it flipped the
-        choice as the batch size moved by a row or two (on the default profile's toy, 13 rows favoured
-        tau = 0.9 and 15 the lossless mode), and each move into the lossless mode costs a step."""
+        window compared is well measured at this batch size, else the cost model for every window. A cell's
+        median wanders by ~5% around a model on a busy CPU; set against another window's modelled cost it
+        flipped the choice as the batch size moved by a row or two (on the default profile's toy, 13 rows
+        favoured tau = 0.9 and 15 the lossless mode), and each move into the lossless mode costs a step."""
         batch = policy_rows + len(fixed_taus) + lossless_rows
-        lines = not all(self._well_measured(batch, self._window(a, fixed_taus, block_size, lossless_rows))
-                        for a in arms)
-        return {a: self.predict(a, fixed_taus, policy_rows, block_size, lossless_rows, lines) for a in arms}
+        modelled = not all(self._well_measured(batch, self._window(a, fixed_taus, block_size, lossless_rows))
+                           for a in arms)
+        return {a: self.predict(a, fixed_taus, policy_rows, block_size, lossless_rows, modelled) for a in arms}
 
     def _tpf_near(self, tau: float) -> float:
         """A named tau's tokens/forward: that of the nearest measured candidate tau (1.0 while none is)."""
@@ -429,6 +423,39 @@ class AdaptiveTau:
         # re-measuring the settled arm is a settled step (it brackets the next exploration)
         self.arm, self._phase = arm, "explore" if explore and arm != self._settled else "settled"
         return arm
+
+
+def _shape(cells: list[tuple[int, int, float, int]]) -> tuple[float, float, float] | None:
+    """(a, c, d) >= 0 of seconds = a + c x batch + d x batch x slots, else without the term that fit below 0."""
+    for features in ((0, 1, 2), (0, 2), (0, 1)):
+        fit = _least_squares(cells, features)
+        if fit is not None and min(fit) >= 0.0:
+            return fit
+    return None
+
+
+def _least_squares(cells: list[tuple[int, int, float, int]], features: tuple[int, ...]) -> tuple[float, float, float] | None:
+    """Weighted least squares of seconds on the chosen ``features`` of (1, batch, batch x slots) over
+    ``cells`` ``(batch, slots, seconds, samples)``; the terms left out are 0. None when the cells do not
+    determine the fit."""
+    rows = [((1.0, float(b), float(b * w)), s, float(n)) for b, w, s, n in cells]
+    k = len(features)
+    # the normal equations, solved by Gaussian elimination with partial pivoting
+    m = [[sum(n * x[i] * x[j] for x, _, n in rows) for j in features] + [sum(n * x[i] * s for x, s, n in rows)]
+         for i in features]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12 * max(1.0, abs(m[0][0])):
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(k):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [v - f * p for v, p in zip(m[r], m[col])]
+    fit = [0.0, 0.0, 0.0]
+    for col, feature in enumerate(features):
+        fit[feature] = m[col][k] / m[col][col]
+    return tuple(fit)
 
 
 def _best(scores: dict[Arm, float | None]) -> Arm | None:
