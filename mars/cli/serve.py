@@ -32,7 +32,8 @@ def _parser(verb: str):
                              f"between the gate's floor and 1.0 (default: {d.tau_policy})")
     parser.add_argument("--adaptive-lossless", action=argparse.BooleanOptionalAction, default=d.adaptive_lossless,
                         help="the adaptive policy may decode greedy requests in the lossless mode (tau = 1.0's output, "
-                             "drafts verified) where that gives more tokens/s (default: on)")
+                             "drafts verified), at the checkpoint's block size or at 2, where that gives more "
+                             "tokens/s (default: on)")
     parser.add_argument("--backend", choices=("torch", "onnx"), default=d.backend,
                         help=f"PyTorch decoder or the release's ONNX export (default: {d.backend})")
     parser.add_argument("--device", default=d.device)
