@@ -39,10 +39,12 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   was the fastest fixed setting at every load; at 16 rows plain tau = 1 predicted within a few percent of it
   and, settled from the release's tau, the policy spent part of a bursty trace there).
 * the lossless mode also comes narrower (``lossless_block_sizes``, default 2): at block size w < B a row
-  forwards w - 1 drafts and w - 1 masks, a 2w-1 window, for the same greedy tokens at fewer tokens/forward.
-  The width is the knob load turns: on SmolLM2 in bf16 (in-process, 2 threads) the lossless mode at B = 4
-  was 10% ahead of w = 2 at one stream and w = 2 12% ahead of B = 4 at 16, where a 7-slot step costs 2x a
-  1-slot one. Moving between lossless widths keeps a row's drafts (a narrower row verifies what it has).
+  forwards w - 1 drafts and w - 1 masks, a 2w-1 window, for the same greedy tokens. The width is a knob
+  load turns: on SmolLM2 in bf16 a 7-slot forward costs 1.08x a 1-slot one at batch 1 and 2.07x at batch
+  16, and in ``bench_serve`` lossless at block size 2 was 1-6% ahead of it at 1, 4 and 16 streams (fewer
+  tokens/forward at 4 and 16 streams, 1.53-1.55 against 1.70-1.74, for a cheaper step; more at one
+  stream, where a wrong third draft costs a step without drafts). Moving between lossless widths keeps a
+  row's drafts (a narrower row verifies what it has).
 
 Unmeasured candidates are tried first (each for a few steps), and every ``explore_every``-th decision
 re-measures the candidate measured longest ago, so the estimates follow the load. A step cost measured
