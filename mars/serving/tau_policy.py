@@ -311,8 +311,9 @@ class AdaptiveTau:
         are measured only where it explored them, often at other loads, and a line per window drawn
         through a few nearby batch sizes extrapolates badly: in-process on SmolLM2 in bf16 the line
         through the 7-slot window's cells read 72 ms at 16 rows, where that forward alone takes 92 ms, and
-        at 16 streams the policy with such lines stayed at tau = 1 for 87% of its steps while the lossless
-        mode at block size 2 was 8% faster. The cost per token forwarded is the same in every window."""
+        in ``bench_serve`` at 16 streams the policy with such lines stayed at tau = 1 for 87% of its steps
+        while lossless at block size 2, fixed, was 8% faster than tau = 1 fixed. The cost per token
+        forwarded is the same in every window."""
         if self._model is not None:
             return self._model
         cells = [(b, w, self.cost[(b, w)], len(self._recent[(b, w)])) for b, w in self.cost]
@@ -346,10 +347,11 @@ class AdaptiveTau:
     def _scores(self, arms: Sequence[Arm], fixed_taus: Sequence[float], policy_rows: int, block_size: int,
                 lossless_rows: int) -> dict[Arm, float | None]:
         """``predict`` for each arm, all at the same kind of step cost: the cells' medians where every
-        window compared is well measured at this batch size, else the cost model for every window. A cell's
-        median wanders by ~5% around a model on a busy CPU; set against another window's modelled cost it
-        flipped the choice as the batch size moved by a row or two (on the default profile's toy, 13 rows
-        favoured tau = 0.9 and 15 the lossless mode), and each move into the lossless mode costs a step."""
+        window compared is well measured at this batch size, else the cost model for every window. On a
+        busy CPU a cell's median wandered by ~5% around the per-window line the policy used before; set
+        against another window's line it flipped the choice as the batch size moved by a row or two (on the
+        default profile's toy, 13 rows favoured tau = 0.9 and 15 the lossless mode), and each move into the
+        lossless mode costs a step."""
         batch = policy_rows + len(fixed_taus) + lossless_rows
         modelled = not all(self._well_measured(batch, self._window(a, fixed_taus, block_size, lossless_rows))
                            for a in arms)
