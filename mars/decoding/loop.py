@@ -254,9 +254,9 @@ class DecodeRow:
     lossless mode drops its pending drafts, which were never output); ``sampler`` (None: greedy) draws a
     token per slot from the slot logits ``[S, V]`` (:class:`mars.decoding.sampling.Sampler`);
     ``block_size`` w (<= the batch's B; None: B) caps the tokens a step may accept and the masks it
-    forwards (w - 1; a lossless row's drafts + 1 and its next drafts); ``stream`` rows report their accepted tokens after every step, the others only when
-    they finish. A row whose ``cancelled`` is set (any thread) leaves the batch before the next step,
-    with no update. ``key`` is the caller's.
+    forwards (w - 1; a lossless row's drafts + 1 and its next drafts); ``stream`` rows report their
+    accepted tokens after every step, the others only when they finish. A row whose ``cancelled`` is set
+    (any thread) leaves the batch before the next step, with no update. ``key`` is the caller's.
     """
 
     prompt: Sequence[int]
@@ -306,8 +306,8 @@ class CachedBatch:
     not refilled by then leave the batch (``retain``), and rows beyond the finished ones join at the end
     (``extend``) or, into an empty batch, through ``start``. Each step reads B slots when some live row
     needs masks (tau < 1 or lossless), else 1; a row forwards only its own masks (none at tau = 1, w - 1
-    with its own block size w), and the window is as wide as the widest row needs. The block-level cache (``b_cache=C``) takes its rows in
-    one :meth:`add` before the first step and steps them in lockstep.
+    with its own block size w), and the window is as wide as the widest row needs. The block-level cache
+    (``b_cache=C``) takes its rows in one :meth:`add` before the first step and steps them in lockstep.
 
     Bookkeeping lives in small CPU tensors; the backend sees one window per step and syncs once per step
     (the accepted counts decide the next window).

@@ -210,7 +210,7 @@ class Engine:
                 handle.push(Finished(u.token_ids, u.forwards, "stop" if u.stopped else "length", handle.taus,
                                      handle.lossless_steps))
         seconds = time.perf_counter() - started
-        slots = batch.last_slots  # the cost class of the step: its widest row's (1, w, or 2w-1 in the lossless mode)
+        slots = batch.last_slots  # the step's cost class: its widest row's (1, w, or 2w-1 in the lossless mode)
         accepted: dict = {}
         joined = {id(r) for r in joining}
         for u in updates:
