@@ -59,6 +59,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+import numpy as np
+
 from mars.errors import ConfigError
 
 POLICIES = ("fixed", "adaptive")
@@ -438,27 +440,20 @@ def _shape(cells: list[tuple[int, int, float, int]]) -> tuple[float, float, floa
     return None
 
 
-def _least_squares(cells: list[tuple[int, int, float, int]], features: tuple[int, ...]) -> tuple[float, float, float] | None:
+def _least_squares(cells: list[tuple[int, int, float, int]],
+                   features: tuple[int, ...]) -> tuple[float, float, float] | None:
     """Weighted least squares of seconds on the chosen ``features`` of (1, batch, batch x slots) over
     ``cells`` ``(batch, slots, seconds, samples)``; the terms left out are 0. None when the cells do not
     determine the fit."""
-    rows = [((1.0, float(b), float(b * w)), s, float(n)) for b, w, s, n in cells]
-    k = len(features)
-    # the normal equations, solved by Gaussian elimination with partial pivoting
-    m = [[sum(n * x[i] * x[j] for x, _, n in rows) for j in features] + [sum(n * x[i] * s for x, s, n in rows)]
-         for i in features]
-    for col in range(k):
-        pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) < 1e-12 * max(1.0, abs(m[0][0])):
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(k):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                m[r] = [v - f * p for v, p in zip(m[r], m[col])]
+    x = np.array([(1.0, b, b * w) for b, w, _, _ in cells], dtype=float).reshape(-1, 3)[:, list(features)]
+    root = np.sqrt([float(n) for _, _, _, n in cells])  # each cell counts as often as it was sampled
+    solution, _, rank, _ = np.linalg.lstsq(x * root[:, None], np.array([s for _, _, s, _ in cells]) * root,
+                                           rcond=None)
+    if rank < len(features):
+        return None
     fit = [0.0, 0.0, 0.0]
-    for col, feature in enumerate(features):
-        fit[feature] = m[col][k] / m[col][col]
+    for feature, value in zip(features, solution):
+        fit[feature] = float(value)
     return tuple(fit)
 
 
