@@ -11,6 +11,9 @@
 #   MARS_S3_PORT    S3 port (default 8333). SeaweedFS runs several servers; they take the ports
 #                   PORT..PORT+9 (http and gRPC), so two servers need port blocks 10 apart.
 #   MARS_S3_BUCKET  bucket(s) created at start, comma-separated (default: mars)
+#   MARS_S3_VOLUMES volume slots (default 100). Every bucket takes a volume of its own; weed's default
+#                   derives the count from free disk (1 GiB each), so a fuller disk refused writes to
+#                   the 15th bucket with "InternalError". Volumes are not preallocated: a slot costs no disk.
 #   WEED            the weed binary (default: weed on PATH, e.g. in the project venv)
 #
 # Credentials: generated once into $MARS_S3_DIR/s3.json (the server's identity file) and
@@ -23,6 +26,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 dir=${MARS_S3_DIR:-$repo/.s3}
 port=${MARS_S3_PORT:-8333}
 buckets=${MARS_S3_BUCKET:-mars}
+volumes=${MARS_S3_VOLUMES:-100}
 weed=${WEED:-$(command -v weed || echo "$repo/.venv/bin/weed")}
 pidfile=$dir/weed.pid
 logfile=$dir/weed.log
@@ -59,7 +63,7 @@ start() {
     -s3.port="$port" -master.port=$((port + 1)) -volume.port=$((port + 2)) -filer.port=$((port + 3)) \
     -admin.port=$((port + 4)) -s3.port.grpc=$((port + 5)) -master.port.grpc=$((port + 6)) \
     -volume.port.grpc=$((port + 7)) -filer.port.grpc=$((port + 8)) -admin.port.grpc=$((port + 9)) \
-    -s3.port.iceberg=0 -s3.port.lance=0 -webdav=false -admin.ui=false -master.telemetry=false \
+    -volume.max="$volumes" -s3.port.iceberg=0 -s3.port.lance=0 -webdav=false -admin.ui=false -master.telemetry=false \
     -s3.autoCreateBucket=false -s3.config="$dir/s3.json" -bucket="$buckets" \
     >"$logfile" 2>&1 </dev/null &
   echo $! >"$pidfile"
