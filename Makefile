@@ -26,11 +26,14 @@ PROFILE ?= smollm2
 study: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" infra/study.sh $(PROFILE)
 
+# Two xdist workers, a test file at a time each (module fixtures are built once), files in tests/conftest.py's
+# order; `make test XDIST=` runs in one process.
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: install
-	PATH="$(CURDIR)/$(BIN):$$PATH" python -m pytest
+	PATH="$(CURDIR)/$(BIN):$$PATH" python -m pytest $(XDIST)
 
 test-fast: install
-	PATH="$(CURDIR)/$(BIN):$$PATH" python -m pytest -m "not slow"
+	PATH="$(CURDIR)/$(BIN):$$PATH" python -m pytest $(XDIST) -m "not slow"
 
 clean-venv:
 	rm -rf $(VENV)
