@@ -52,7 +52,8 @@ class Server:
     """`mars serve --model DIR` in a subprocess on 127.0.0.1."""
 
     def __init__(self, model: str, *, policy: str, tau: float, floor: float, max_batch: int, dtype: str,
-                 threads: int | None, mode: str = "tau", block_size: int | None = None, adaptive_lossless: bool = True):
+                 threads: int | None, mode: str = "tau", block_size: int | None = None, adaptive_lossless: bool = True,
+                 prefix_cache: bool = True):
         self.mode, self.block_size = mode, block_size  # what every request asks for
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -62,6 +63,7 @@ class Server:
              str(self.port), "--tau-policy", policy, "--tau", str(tau), "--tau-floor", str(floor), "--max-batch",
              str(max_batch), "--max-queue", "100000", "--dtype", dtype, "--log-level", "warning",
              "--adaptive-lossless" if adaptive_lossless else "--no-adaptive-lossless",
+             "--prefix-cache" if prefix_cache else "--no-prefix-cache",
              *(["--threads", str(threads)] if threads else [])],
             env=env, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 300
@@ -183,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch threads of the server (mars serve --threads)")
     parser.add_argument("--adaptive-lossless", action=argparse.BooleanOptionalAction, default=True,
                         help="the adaptive policy may use the lossless mode (default: on)")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="every server computes the chat template's head once (mars serve --prefix-cache; "
+                             "default: on)")
     parser.add_argument("--lossless", action=argparse.BooleanOptionalAction, default=True,
                         help="also run every request in the lossless mode (default: on)")
     parser.add_argument("--lossless-block-sizes", default="2",
@@ -214,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, policy, tau, tau_floor, mode, block_size in policies:
             servers.append((label, Server(args.model, policy=policy, tau=tau, floor=tau_floor,
                                           max_batch=args.max_batch, dtype=args.dtype, threads=args.threads, mode=mode,
-                                          block_size=block_size, adaptive_lossless=args.adaptive_lossless)))
+                                          block_size=block_size, adaptive_lossless=args.adaptive_lossless,
+                                          prefix_cache=args.prefix_cache)))
             asyncio.run(run_phase(servers[-1][1], items, 0, 4, args.warmup, args.max_tokens))
         for name, phases in levels:
             runs: dict[str, list[dict]] = {label: [] for label, _ in servers}
@@ -240,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     head = (f"{'level':<28} {'policy':<19} {'tok/s':>8} {'req/s':>7} {'lat p50':>8} {'p95':>7} {'p99':>7} "
             f"{'ttft p50':>9} {'p95':>7} {'p99':>7} {'tok/fwd':>8} {'score':>6}")
     print(f"model {args.model}, {len(items)} held-out items, max_tokens {args.max_tokens}, max_batch {args.max_batch}, "
-          f"adaptive floor {floor:g}")
+          f"adaptive floor {floor:g}, prefix cache {'on' if args.prefix_cache else 'off'}")
     print(head)
     for name, row in table.items():
         for k, (label, s) in enumerate(row.items()):

@@ -220,7 +220,7 @@ class RecordingBackend(TorchBackend):
 
     def __init__(self, model):
         super().__init__(model)
-        self.rows, self.widths, self.commits, self.refilled = [], [], [], 0
+        self.rows, self.widths, self.commits, self.refilled, self.extended = [], [], [], 0, 0
 
     def forward(self, window_ids, positions, read=None):
         self.rows.append(window_ids.shape[0])
@@ -234,6 +234,10 @@ class RecordingBackend(TorchBackend):
     def reset(self, rows):
         self.refilled += len(rows)
         super().reset(rows)
+
+    def extend(self, count):
+        self.extended += count
+        super().extend(count)
 
 
 @pytest.mark.parametrize("b_cache", [None, 8])
@@ -434,6 +438,37 @@ def test_a_row_with_its_own_block_size_forwards_only_its_masks_and_decodes_as_at
         (alone,) = generate(model, None, [p], mode=m, tau=t, block_size=w or B, max_new_tokens=16)
         assert (done[i].token_ids, done[i].forwards) == (alone.token_ids, alone.forwards), settings[i]
     assert max(backend.widths[1:]) <= 2 * B - 1
+
+
+def test_rows_starting_with_the_shared_prompt_head_get_its_cache_and_decode_as_alone(drafting_model):
+    """With a ``prefix``, a joining row whose prompt starts with it (and goes on) gets the head's cache entries
+    copied in and forwards only the rest of its prompt; each row decodes as alone, whether it joined an empty
+    batch, took a finished row's place or joined a running batch."""
+    model = drafting_model
+    head = periodic(1, 6, seed=4000)[0]
+    tails = [x[:n] for x, n in zip(periodic(5, 9, seed=4100), (3, 1, 5, 2, 4))]
+    prompts = [head + t for t in tails] + [head[:4] + [50, 51], list(head)]  # the last two do not start past it
+    settings = [("lossless", 1.0), ("tau", 0.5), ("tau", 1.0), ("lossless", 1.0), ("tau", 0.7), ("lossless", 1.0),
+                ("tau", 1.0)]
+    rooms = [5, 12, 4, 12, 6, 9, 7]
+    rows = [DecodeRow(p, room, tau=t, lossless=m == "lossless", key=i)
+            for i, (p, (m, t), room) in enumerate(zip(prompts, settings, rooms))]
+    backend = RecordingBackend(model)
+    batch = CachedBatch(backend, block_size=B, stop_ids=torch.tensor([DRAFT_EOS]), mask_id=MASK, prefix=head)
+    batch.add(rows[:3])
+    # the first window holds the tails only: 3 + 3 masks, 1 + 3 masks, 5 (tau = 1: no mask)
+    done = {u.row.key: u for u in batch.step() if u.done}
+    assert backend.widths == [6]
+    pending = rows[3:]
+    while len(batch) or pending:
+        if pending:  # into a finished row's place where one is free, else at the end of the running batch
+            batch.add([pending.pop(0)])
+        done.update({u.row.key: u for u in batch.step() if u.done})
+    assert backend.refilled and backend.extended
+    assert batch.prefix_hits == 5
+    for i, (p, (m, t), room) in enumerate(zip(prompts, settings, rooms)):
+        (alone,) = generate(model, None, [p], mode=m, tau=t, max_new_tokens=room)
+        assert (done[i].token_ids, done[i].forwards) == (alone.token_ids, alone.forwards), i
 
 
 # ------------------------------------------------------------------------------------------- bad input

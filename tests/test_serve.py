@@ -25,12 +25,13 @@ import torch
 from conftest import tiny_model
 
 from mars.core.digest import sha256_tree
-from mars.decoding.loop import CachedBatch, DecodeRow, generate
+from mars.decoding.loop import CachedBatch, DecodeRow, encode_prompts, generate
 from mars.decoding.sampling import Sampler, SamplingParams, filtered_probs
 from mars.decoding.torch_backend import TorchBackend
 from mars.release.promote import promote
 from mars.release.store import open_store
 from mars.serving.config import ServeConfig
+from mars.serving.served_model import chat_head
 from mars.serving.server import build, make_server
 
 B = 4
@@ -269,11 +270,29 @@ def test_models_health_and_metrics(server):
     assert [m.id for m in models] == [NAME]
     assert models[0].block_size == B and models[0].tau == 0.9 and models[0].tau_floor == 0.5
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "model": NAME, "version": "v1"}
+    copied = server.metric("mars_prefix_cache_tokens_total")
     chat(server, "hi", temperature=0, max_tokens=4)
     text = httpx.get(server.url + "/metrics").text
     for name in ("mars_queue_depth", "mars_tau_in_use", "mars_step_cost_seconds{", "mars_running_requests",
                  'mars_release_info{name="mars",version="v1"} 1.0'):
         assert name in text
+    # the chat prompt's head came from the prefix cache; raw token ids that do not start with it did not
+    head = chat_head(server.built.serving.engines()[0].model.tokenizer)
+    assert head and server.metric("mars_prefix_cache_tokens_total") == copied + len(head)
+    server.client.completions.create(model=NAME, prompt=[7, 8, 9], temperature=0, max_tokens=2)
+    assert server.metric("mars_prefix_cache_tokens_total") == copied + len(head)
+
+
+def test_the_prompt_head_is_the_chat_templates_system_turn_and_user_header(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    head = chat_head(tokenizer)
+    assert tokenizer.decode(head) == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                                      "Hugging Face<|im_end|>\n<|im_start|>user\n")
+    assert encode_prompts(tokenizer, ["What is 2 + 3?"])[0][: len(head)] == head
+    tokenizer.chat_template = None
+    assert chat_head(tokenizer) == []
 
 
 def test_seeded_sampling_is_reproducible(server):

@@ -34,6 +34,10 @@ def _parser(verb: str):
                         help="the adaptive policy may decode greedy requests in the lossless mode (tau = 1.0's output, "
                              "drafts verified), at the checkpoint's block size or at 2, where that gives more "
                              "tokens/s (default: on)")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=d.prefix_cache,
+                        help="compute the chat template's head (its default system turn and the user header, which "
+                             "every chat prompt starts with) once and copy it into each joining request instead of "
+                             "recomputing it (torch backend; default: on)")
     parser.add_argument("--backend", choices=("torch", "onnx"), default=d.backend,
                         help=f"PyTorch decoder or the release's ONNX export (default: {d.backend})")
     parser.add_argument("--device", default=d.device)
@@ -71,7 +75,7 @@ def main(argv: list[str], verb: str = "serve") -> int:
     cfg = ServeConfig(host=args.host, port=args.port, backend=args.backend, device=args.device, dtype=args.dtype,
                       threads=args.threads,
                       max_batch=args.max_batch, max_queue=args.max_queue, tau_policy=args.tau_policy,
-                      adaptive_lossless=args.adaptive_lossless,
+                      adaptive_lossless=args.adaptive_lossless, prefix_cache=args.prefix_cache,
                       max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
                       poll_seconds=args.poll_seconds, drain_seconds=args.drain_seconds)
     api_key = args.api_key or os.environ.get("MARS_API_KEY") or None

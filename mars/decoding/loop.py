@@ -74,6 +74,10 @@ mars.release.export) can serve it. All arguments are torch tensors; ids/position
 ``extend(count: int) -> None`` (optional)
     Add ``count`` empty rows after the current ones: sequences that join a running batch beyond the
     rows that finished (the server's continuous batching; :class:`CachedBatch`).
+``cache_prefix(ids: list[int]) -> None`` and ``load_prefix(rows [k]) -> None`` (optional, together)
+    Compute once the cache entries of a prompt head ``ids`` at positions 0..P-1; fill these just emptied
+    rows with them, committed. A token-level :class:`CachedBatch` given a ``prefix`` copies it into every
+    joining row whose prompt starts with it (a chat template's system turn) instead of recomputing it.
 """
 
 from __future__ import annotations
@@ -304,7 +308,9 @@ class CachedBatch:
     Token-level cache (``b_cache=None``): rows may join at any step. A finished row's place goes to the
     next row added before the next step (its cache row is reset: continuous batching); finished rows
     not refilled by then leave the batch (``retain``), and rows beyond the finished ones join at the end
-    (``extend``) or, into an empty batch, through ``start``. Each step reads B slots when some live row
+    (``extend``) or, into an empty batch, through ``start``. With a ``prefix`` (and a backend with
+    ``load_prefix``) a joining row whose prompt starts with it gets its cache entries copied in and
+    forwards only the rest of its prompt. Each step reads B slots when some live row
     needs masks (tau < 1 or lossless), else 1; a row forwards only its own masks (none at tau = 1, w - 1
     with its own block size w), and the window is as wide as the widest row needs. The block-level cache
     (``b_cache=C``) takes its rows in one :meth:`add` before the first step and steps them in lockstep.
@@ -314,8 +320,13 @@ class CachedBatch:
     """
 
     def __init__(self, backend: DecodeBackend, *, block_size: int, stop_ids: torch.Tensor, mask_id: int,
-                 b_cache: int | None = None):
+                 b_cache: int | None = None, prefix: Sequence[int] = ()):
         self.backend, self.block_size, self.mask_id, self.b_cache = backend, block_size, mask_id, b_cache
+        # a prompt head most rows share (a chat template's system turn): computed once, copied into joining rows
+        self.prefix = list(prefix) if b_cache is None and callable(getattr(backend, "load_prefix", None)) else []
+        if self.prefix:
+            backend.cache_prefix(self.prefix)
+        self.prefix_hits = 0  # rows that joined with the prefix copied in (each skipped len(prefix) tokens)
         self.dev = torch.device(backend.device)
         self.stop_d = self._put(stop_ids)
         self.rows: list[DecodeRow] = []
@@ -406,6 +417,7 @@ class CachedBatch:
             refill.append(k)
         if refill:
             self.backend.reset(self._put(torch.tensor(refill)))
+            self._load_prefix(refill)
         if not rows:
             return
         self._compact()
@@ -425,7 +437,19 @@ class CachedBatch:
             self.backend.extend(len(rows))
         else:
             self.backend.start([[] for _ in rows])
+        self._load_prefix(range(old, old + n))
         self.started = True
+
+    def _load_prefix(self, ks: Iterable[int]) -> None:
+        """Rows ``ks``, just emptied, whose prompt starts with the prefix (and goes on past it) start with
+        its cache entries: their first window is the rest of the prompt."""
+        p = len(self.prefix)
+        hits = [k for k in ks if len(self.rows[k].prompt) > p and list(self.rows[k].prompt[:p]) == self.prefix] \
+            if p else []
+        if hits:
+            self.backend.load_prefix(self._put(torch.tensor(hits)))
+            self.cached[hits] = p
+            self.prefix_hits += len(hits)
 
     def _compact(self) -> None:
         """Finished rows that were not refilled, and cancelled rows, leave the batch."""

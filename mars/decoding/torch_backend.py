@@ -8,7 +8,9 @@ entry ``j`` of row ``i`` is row i's token at position ``j`` of its own sequence,
 and no hole: row i's committed entries are ``0 .. length[i] - 1``. A forward writes its window right
 after them and a query at window index ``k`` attends to entries ``<= length[i] + k``. Whatever the
 accept rule rejects (mask entries, unaccepted tokens) lies beyond the committed length and is
-overwritten by the next window, so ``commit`` only moves ``length``; no copy, no crop.
+overwritten by the next window, so ``commit`` only moves ``length``; no copy, no crop. A prompt head
+shared by many rows (a chat template's system turn) is computed once (``cache_prefix``) and copied into
+each row that starts with it (``load_prefix``): a key at position j depends only on tokens 0..j.
 
 For Llama and Qwen2 (dense attention, no sliding window) the forward runs the model's own modules
 (norms, projections, rotary embedding, the configured attention function, MLP) in a plain loop over
@@ -96,6 +98,16 @@ class RowCache:
     def reset(self, rows: torch.Tensor) -> None:
         self.length = self.length.index_fill(0, rows, 0)  # the old entries lie past 0: masked, then overwritten
 
+    def fill(self, rows: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Rows ``rows`` (empty) start with the same committed entries: per layer ``[kv_heads, P, head_dim]``."""
+        p = keys[0].shape[1]
+        if p > self.capacity:
+            self._grow(max(p, 2 * self.capacity))
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            self.keys[layer][rows, :, :p] = k
+            self.values[layer][rows, :, :p] = v
+        self.length = self.length.index_fill(0, rows, p)
+
     def extend(self, count: int) -> None:
         """``count`` empty rows after the current ones."""
         self.keys = [torch.cat([k, k.new_zeros(count, *k.shape[1:])]) for k in self.keys]
@@ -135,6 +147,7 @@ class TorchBackend:
                             f"not {config.model_type!r}")
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.cache: RowCache | None = None
+        self._prefix: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # see cache_prefix
         if self.lean:
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -180,6 +193,19 @@ class TorchBackend:
 
     def extend(self, count: int):
         self.cache.extend(count)
+
+    @torch.inference_mode()
+    def cache_prefix(self, ids: list[int]) -> None:
+        """Compute once the cache entries of ``ids`` at positions 0..P-1, for :meth:`load_prefix`."""
+        alone = TorchBackend(self.model, self.lean)
+        alone.start([list(ids)])
+        p = len(ids)
+        self._prefix = ([k[0, :, :p].clone() for k in alone.cache.keys],
+                        [v[0, :, :p].clone() for v in alone.cache.values])
+
+    def load_prefix(self, rows: torch.Tensor) -> None:
+        """Rows ``rows``, just emptied (``reset``, ``extend``, ``start``), start with the cached prefix committed."""
+        self.cache.fill(rows.to(self.device), *self._prefix)
 
     # ------------------------------------------------------------------------------------------ forwards
 

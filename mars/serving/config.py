@@ -20,6 +20,7 @@ class ServeConfig:
     max_queue: int = 64  # requests waiting for a row; beyond: 429
     tau_policy: Literal["fixed", "adaptive"] = "fixed"
     adaptive_lossless: bool = True  # adaptive: greedy rows may decode in the lossless mode (tau = 1.0's output)
+    prefix_cache: bool = True  # the chat template's head (system turn) is computed once, not per request
     max_tokens: int = 2048  # the most a request may ask for
     default_max_tokens: int = 128
     poll_seconds: float = 30.0  # how often a --release server checks its stage pointer (0: never)

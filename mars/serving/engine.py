@@ -88,8 +88,10 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, model: ServedModel, policy, *, max_batch: int = 16, max_queue: int = 64, metrics=None):
+    def __init__(self, model: ServedModel, policy, *, max_batch: int = 16, max_queue: int = 64, metrics=None,
+                 prefix: Sequence[int] = ()):
         self.model, self.policy, self.metrics = model, policy, metrics
+        self.prefix = list(prefix)  # a prompt head computed once per batch (CachedBatch's prefix)
         self.max_batch = min(max_batch, model.max_rows or max_batch)
         self.max_queue = max_queue
         self.stop_ids = torch.tensor(model.stop_ids, dtype=torch.long)
@@ -104,7 +106,7 @@ class Engine:
 
     def _new_batch(self) -> CachedBatch:
         return CachedBatch(self.model.new_backend(), block_size=self.model.block_size or 1, stop_ids=self.stop_ids,
-                           mask_id=self.model.mask_id)
+                           mask_id=self.model.mask_id, prefix=self.prefix)
 
     # -- the request side (the server's event loop) --------------------------------------------------
     @property
@@ -181,7 +183,9 @@ class Engine:
         # on a small model the bookkeeping around a forward is a real share of it.
         started = time.perf_counter()
         batch, b_size = self.batch, self.model.block_size or 1
+        hits = batch.prefix_hits
         batch.add(joining)
+        hits = batch.prefix_hits - hits
         live = batch.live
         policy_rows = [r for r in live if r.key]
         arm = None
@@ -223,7 +227,7 @@ class Engine:
         self.policy.observe(rows, slots, seconds if decoding else None, {t: tuple(v) for t, v in accepted.items()})
         if self.metrics is not None:
             self.metrics.step(rows, slots, seconds, decoding, sum(len(u.new_tokens) for u in updates),
-                              self.policy, self.queue_depth, arm)
+                              self.policy, self.queue_depth, arm, prefix_tokens=hits * len(batch.prefix))
 
     def _fail_all(self, error: Exception, waiting: bool = True) -> None:
         for handle in self.handles.values():

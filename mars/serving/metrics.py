@@ -8,6 +8,7 @@ adaptive policy decides on; window: the widest row's slots, 1, w at a tau < 1, 2
 mode at block size w), ``mars_tokens_per_forward{tau}`` (tau="lossless" for the lossless mode,
 "lossless:w" for it at a block size w below the checkpoint's), ``mars_policy_steps_total{arm}``
 (steps by the arm the policy chose: where the adaptive policy spends its time),
+``mars_prefix_cache_tokens_total`` (prompt tokens copied from the prefix cache instead of computed),
 counters of requests by status, generated tokens and decoding steps, a step-time histogram, and
 ``mars_release_info`` (which release serves new requests).
 """
@@ -36,6 +37,8 @@ class ServerMetrics:
         self.requests = Counter("mars_requests", "finished HTTP generation requests", ["status"], registry=registry)
         self.tokens = Counter("mars_generated_tokens", "tokens generated", registry=registry)
         self.steps = Counter("mars_decoding_steps", "batched decoding forwards", registry=registry)
+        self.prefix_tokens = Counter("mars_prefix_cache_tokens", "prompt tokens copied from the prefix cache (the "
+                                     "chat template's head) instead of computed", registry=registry)
         self.policy_steps = Counter("mars_policy_steps", "decoding steps by the arm the tau policy chose for the "
                                     "rows that named no tau (a tau, or lossless)", ["arm"], registry=registry)
         self.step_seconds = Histogram("mars_step_seconds", "seconds per batched decoding step", registry=registry,
@@ -46,13 +49,14 @@ class ServerMetrics:
                                      "serving)", registry=registry)
 
     def step(self, rows: int, slots: int, seconds: float, decoding: bool, tokens: int, policy, queue_depth: int,
-             arm=None):
+             arm=None, prefix_tokens: int = 0):
         """After each engine iteration (the engine thread); ``arm``: the policy's choice for the step's rows
         that named no tau (None: there were none)."""
         self.steps.inc()
         if arm is not None:
             self.policy_steps.labels(_arm_label(arm)).inc()
         self.tokens.inc(tokens)
+        self.prefix_tokens.inc(prefix_tokens)
         self.step_seconds.observe(seconds)
         self.queue_depth.set(queue_depth)
         self._policy = policy  # its tau and tokens/forward are read when /metrics is scraped (render)

@@ -42,11 +42,25 @@ class ServedModel:
     source: str = ""
     backend: Literal["torch", "onnx"] = "torch"
     manifest: dict = field(default_factory=dict)
+    prompt_head: list[int] = field(default_factory=list)  # what every chat prompt starts with (see chat_head)
 
     def describe(self) -> str:
         release = f" {self.version}" if self.version else ""
         return (f"{self.name}{release} from {self.source} ({self.backend}, B={self.block_size}, "
                 f"tau {self.default_tau}, floor {self.tau_floor})")
+
+
+def chat_head(tokenizer) -> list[int]:
+    """The token ids every single-turn chat prompt starts with: the chat template's default system turn and
+    the user header (SmolLM2-Instruct: 24 tokens). Empty without a chat template. A prompt only uses it
+    where its own ids start with it (a template may merge the header with the first content token)."""
+    from mars.decoding.loop import encode_prompts
+
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    first, second = encode_prompts(tokenizer, ["A", "7 b"])
+    n = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
+    return first[:n]
 
 
 def _check_tau(value: Any, what: str) -> float:
@@ -92,7 +106,8 @@ def load_checkpoint(path: str | Path, *, name: str, backend: str = "torch", defa
     return ServedModel(name=name, tokenizer=tokenizer, new_backend=new_backend,
                        block_size=info.block_size if info else None, mask_id=info.mask_token_id if info else 0,
                        stop_ids=stops, context=_context_length(config), default_tau=default_tau, tau_floor=floor,
-                       max_rows=max_rows, version=version, source=str(path), backend=backend, manifest=manifest or {})
+                       max_rows=max_rows, version=version, source=str(path), backend=backend, manifest=manifest or {},
+                       prompt_head=chat_head(tokenizer))
 
 
 def load_release(release_dir: str | Path, *, backend: str = "torch", device: str = "cpu",

@@ -29,7 +29,8 @@ log = logging.getLogger("mars.serve")
 def start_engine(model: ServedModel, cfg: ServeConfig, metrics: ServerMetrics) -> Engine:
     policy = make_policy(cfg.tau_policy, TauRange(model.default_tau, model.tau_floor, model.tau_ceiling),
                          lossless=cfg.adaptive_lossless and (model.block_size or 1) > 1)
-    return Engine(model, policy, max_batch=cfg.max_batch, max_queue=cfg.max_queue, metrics=metrics)
+    return Engine(model, policy, max_batch=cfg.max_batch, max_queue=cfg.max_queue, metrics=metrics,
+                  prefix=model.prompt_head if cfg.prefix_cache else ())
 
 
 @dataclass
