@@ -220,7 +220,7 @@ class RecordingBackend(TorchBackend):
 
     def __init__(self, model):
         super().__init__(model)
-        self.rows, self.widths, self.commits, self.refilled, self.extended = [], [], [], 0, 0
+        self.rows, self.widths, self.commits, self.refilled, self.extended, self.prefixes = [], [], [], 0, 0, []
 
     def forward(self, window_ids, positions, read=None):
         self.rows.append(window_ids.shape[0])
@@ -238,6 +238,10 @@ class RecordingBackend(TorchBackend):
     def extend(self, count):
         self.extended += count
         super().extend(count)
+
+    def cache_prefix(self, ids):
+        self.prefixes.append(list(ids))
+        super().cache_prefix(ids)
 
 
 @pytest.mark.parametrize("b_cache", [None, 8])
@@ -455,7 +459,11 @@ def test_rows_starting_with_the_shared_prompt_head_get_its_cache_and_decode_as_a
             for i, (p, (m, t), room) in enumerate(zip(prompts, settings, rooms))]
     backend = RecordingBackend(model)
     batch = CachedBatch(backend, block_size=B, stop_ids=torch.tensor([DRAFT_EOS]), mask_id=MASK, prefix=head)
+    # the head is computed when a row first needs it, by the caller that adds and steps rows (the server's
+    # engine thread): a forward in another thread slowed that thread's steps ~45%
+    assert backend.prefixes == []
     batch.add(rows[:3])
+    assert backend.prefixes == [head]
     # the first window holds the tails only: 3 + 3 masks, 1 + 3 masks, 5 (tau = 1: no mask)
     done = {u.row.key: u for u in batch.step() if u.done}
     assert backend.widths == [6]
@@ -465,7 +473,7 @@ def test_rows_starting_with_the_shared_prompt_head_get_its_cache_and_decode_as_a
             batch.add([pending.pop(0)])
         done.update({u.row.key: u for u in batch.step() if u.done})
     assert backend.refilled and backend.extended
-    assert batch.prefix_hits == 5
+    assert batch.prefix_hits == 5 and backend.prefixes == [head]  # computed once
     for i, (p, (m, t), room) in enumerate(zip(prompts, settings, rooms)):
         (alone,) = generate(model, None, [p], mode=m, tau=t, max_new_tokens=room)
         assert (done[i].token_ids, done[i].forwards) == (alone.token_ids, alone.forwards), i

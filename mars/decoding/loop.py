@@ -324,8 +324,6 @@ class CachedBatch:
         self.backend, self.block_size, self.mask_id, self.b_cache = backend, block_size, mask_id, b_cache
         # a prompt head most rows share (a chat template's system turn): computed once, copied into joining rows
         self.prefix = list(prefix) if b_cache is None and callable(getattr(backend, "load_prefix", None)) else []
-        if self.prefix:
-            backend.cache_prefix(self.prefix)
         self.prefix_hits = 0  # rows that joined with the prefix copied in (each skipped len(prefix) tokens)
         self.dev = torch.device(backend.device)
         self.stop_d = self._put(stop_ids)
@@ -447,6 +445,11 @@ class CachedBatch:
         hits = [k for k in ks if len(self.rows[k].prompt) > p and list(self.rows[k].prompt[:p]) == self.prefix] \
             if p else []
         if hits:
+            # Computed at first use, by the thread that steps the batch: after one forward in another thread
+            # (the server's event loop builds the engine), that thread's steps ran ~45% slower on this CPU
+            # (two OpenMP thread teams).
+            if not self.prefix_hits:
+                self.backend.cache_prefix(self.prefix)
             self.backend.load_prefix(self._put(torch.tensor(hits)))
             self.cached[hits] = p
             self.prefix_hits += len(hits)
