@@ -403,6 +403,54 @@ def test_a_row_moved_between_the_lossless_mode_and_tau_one_stays_greedy_and_drop
     assert out["flipped"] == generate(model, None, [prompts[0]], tau=1.0, max_new_tokens=24)[0].token_ids
 
 
+def test_a_step_with_the_drafts_of_another_lossless_width_is_not_counted_as_the_arms_yield():
+    """After a move into the lossless mode (no drafts yet) or to another lossless width (a narrowed row
+    verifies the B - 1 drafts it has, a widened one its one), a row's first step yields what its old arm
+    left it: the engine hands the policy no tokens/forward for it, and every other step's tokens."""
+    import asyncio
+    import itertools
+
+    from mars.serving.engine import Engine, GenerationRequest
+    from mars.serving.served_model import ServedModel
+    from mars.serving.tau_policy import LOSSLESS, narrow_lossless
+
+    model = tiny_model("llama", seed=5, vocab=96)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60)
+    model.config.mars = {"block_size": B, "mask_token_id": 95}
+    narrow = narrow_lossless(2)
+    script = [LOSSLESS, LOSSLESS, narrow, narrow, narrow, LOSSLESS, LOSSLESS, 1.0, LOSSLESS, LOSSLESS]
+
+    class Scripted:  # the engine's side of the policy contract, on a fixed sequence of arms
+        name, tau = "scripted", 1.0
+
+        def __init__(self):
+            self.arms, self.seen = itertools.cycle(script), []
+
+        def choose(self, fixed_taus, policy_rows, block_size, lossless_rows=0, greedy=True):
+            self.arm = next(self.arms)
+            return self.arm
+
+        def observe(self, batch, slots, seconds, accepted):
+            self.seen.append((self.arm, accepted))
+
+    policy = Scripted()
+    served = ServedModel("m", None, lambda: TorchBackend(model), B, 95, [], None, 1.0, 1.0)
+    engine = Engine(served, policy, max_batch=1)
+
+    async def run():
+        handle = engine.submit(GenerationRequest(list(range(3, 9)), 60), asyncio.get_running_loop())
+        return [event async for event in handle.events()]
+
+    events = asyncio.run(run())
+    engine.close()
+    steps = [len(e) for e in events if isinstance(e, list)]
+    assert len(policy.seen) == len(steps) > 12 and sum(steps) == 60
+    for k, ((arm, accepted), tokens) in enumerate(zip(policy.seen, steps)):
+        moved = k > 0 and arm != policy.seen[k - 1][0] and arm != 1.0
+        assert accepted == ({} if moved else {arm: (tokens, 1)}), (k, arm)
+
+
 def test_top_p_samples_only_inside_the_nucleus():
     logits = torch.tensor([[4.0, 3.0, 1.0, 0.0, -1.0]])
     probs = filtered_probs(logits, 1.0, 0.8)

@@ -118,15 +118,16 @@ def test_a_thinly_measured_step_cost_is_read_off_one_cost_model_over_every_windo
 
 def drive(policy: AdaptiveTau, steps: int, difficulty, gain: dict, cost: dict, rows: int = 10) -> list:
     """``steps`` engine steps at ``rows`` rows: a step at arm a yields difficulty(step) x gain[a] tokens a
-    row (tau = 1: one), and costs cost[slots]; a move into the lossless mode yields no counted step (the
-    engine leaves its step without drafts out). Returns the arm of every step that was not an exploration."""
+    row (tau = 1: one), and costs cost[slots]; a move into the lossless mode or to another lossless width
+    yields no counted step (the engine leaves its step with the old arm's drafts out). Returns the arm of
+    every step that was not an exploration."""
     arms, before = [], None
     for step in range(steps):
         arm = policy.choose([], rows, B)
         exploring = policy._phase == "explore"
         tpf = 1.0 if arm == 1.0 else difficulty(step) * gain[arm]
-        moved_in = arm in (LOSSLESS, NARROW) and before not in (LOSSLESS, NARROW)
-        policy.observe(rows, slots(arm), cost[slots(arm)], {} if moved_in else {arm: (round(tpf * rows), rows)})
+        moved = arm in (LOSSLESS, NARROW) and before != arm
+        policy.observe(rows, slots(arm), cost[slots(arm)], {} if moved else {arm: (round(tpf * rows), rows)})
         arms += [] if exploring else [arm]
         before = arm
     return arms
@@ -160,3 +161,29 @@ def test_the_paired_ratio_is_one_number_whichever_arm_was_explored():
     policy._settled = 0.9  # as if settled there: the same ratio, read the other way round
     assert policy.tokens_per_forward(LOSSLESS) / policy.tokens_per_forward(0.9) == pytest.approx(ratio)
     assert ratio == pytest.approx(1.25, abs=0.02)
+
+
+def test_an_exploration_lasts_long_enough_to_pair_a_lone_rows_tokens():
+    """A paired exploration runs ``explore_rows`` row-steps (12 steps of one row, 3 of 4 rows or more), plus
+    the step a move into the lossless mode costs; tau = 1, whose yield is known, only its few steps."""
+    def explored_steps(arm, rows):
+        policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, explore_every=10 ** 6)
+        policy._explore(arm, rows)
+        return 1 + sum(policy.choose([], rows, B) == arm and policy._phase == "explore" for _ in range(40))
+
+    assert explored_steps(0.9, 1) == 12 and explored_steps(0.9, 4) == 3 and explored_steps(0.9, 16) == 3
+    assert explored_steps(NARROW, 1) == 13 and explored_steps(1.0, 1) == 3
+
+
+def test_a_batch_that_comes_back_is_not_rescored_before_its_turn():
+    """Rows come and go every few steps at a few streams; the choice for each batch is kept for
+    ``rescore_every`` decisions, so alternating between two batch sizes scores each once per turn."""
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, explore_every=10 ** 6)
+    gain = {LOSSLESS: 1.9, NARROW: 1.6, 0.9: 1.3}
+    drive(policy, 100, lambda step: 1.0, gain, {1: 0.0100, 3: 0.0102, B: 0.0104, 7: 0.0108})
+    scored = []
+    original = policy._scores
+    policy._scores = lambda *args: scored.append(args[2]) or original(*args)
+    for step in range(64):
+        policy.choose([], 3 + step % 2, B)
+    assert 0 < len(scored) <= 2 * 64 // policy.rescore_every

@@ -98,7 +98,7 @@ class Engine:
         self.batch = self._new_batch()
         self.waiting: deque[tuple[DecodeRow, RequestHandle]] = deque()
         self.handles: dict[int, RequestHandle] = {}  # id(row) -> handle, rows in the batch
-        self._lossless_before: set[int] = set()  # id(row) of the rows the last step decoded in the lossless mode
+        self._arm_before: dict[int, object] = {}  # id(row) -> the arm it decoded at in the last step
         self.cv = threading.Condition()
         self.accepting, self.stopping = True, False
         self.thread = threading.Thread(target=self._run, name=f"mars-engine-{model.name}-{model.version}", daemon=True)
@@ -216,13 +216,18 @@ class Engine:
         seconds = time.perf_counter() - started
         slots = batch.last_slots  # the step's cost class: its widest row's (1, w, or 2w-1 in the lossless mode)
         accepted: dict = {}
-        joined = {id(r) for r in joining}
+        before, self._arm_before = self._arm_before, {}
         for u in updates:
-            if u.row.lossless and id(u.row) not in self._lossless_before and id(u.row) not in joined:
-                continue  # just moved into the lossless mode: a step without drafts, a cost of the move
-            entry = accepted.setdefault(arm_of(u.row.tau, u.row.lossless, u.row.block_size, b_size), [0, 0])
+            row_arm = arm_of(u.row.tau, u.row.lossless, u.row.block_size, b_size)
+            if not u.done:
+                self._arm_before[id(u.row)] = row_arm
+            # A row just moved into the lossless mode, or to another lossless width, steps with the drafts
+            # of its old arm: none (a step of one token), or as many as the old width made (a narrowed row
+            # verifies all of them, a widened one only its one): a cost of the move, not the arm's yield.
+            if is_lossless(row_arm) and before.get(id(u.row), row_arm) != row_arm:
+                continue
+            entry = accepted.setdefault(row_arm, [0, 0])
             entry[0], entry[1] = entry[0] + len(u.new_tokens), entry[1] + 1
-        self._lossless_before = {id(u.row) for u in updates if u.row.lossless and not u.done}
         decoding = not joining  # a joining row's first window is its whole prompt: not a decoding step's cost
         self.policy.observe(rows, slots, seconds if decoding else None, {t: tuple(v) for t, v in accepted.items()})
         if self.metrics is not None:

@@ -27,9 +27,13 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   compared requests, not arms (on the default profile's toy the windows read the lossless mode 1.81
   against tau = 0.9's 3.32 while, decoded side by side, lossless was the faster fixed setting). tau = 1
   yields exactly one token a row.
-* a row moved into the lossless mode has no drafts for one step (it yields one token): the engine leaves
-  that step out of the lossless mode's tokens/forward, and the policy moves rows into or out of the
-  lossless mode only for a predicted gain above ``switch_margin``.
+* a row moved into the lossless mode has no drafts for one step (it yields one token), and a row moved to
+  another lossless width steps once with the old width's drafts (narrowed, it verifies all B-1 of them;
+  widened, its one): the engine leaves that step out of the arm's tokens/forward (counted, it had the
+  policy's explorations of block size 2 from B read the wide arm's drafts and the steps back at B read
+  one draft: on the default profile's toy at one stream it then ran block size 2 for 41% of its steps,
+  21% slower there than B), and the policy moves rows into or out of the lossless mode only for a
+  predicted gain above ``switch_margin``.
 * with ``lossless`` one more candidate is the lossless mode (:mod:`mars.decoding.loop`): tau = 1.0's
   greedy output with the mask slots as verified drafts, so it costs no score at all. Its window is the
   widest (the last token, B-1 drafts, B-1 masks: 2B-1 slots), so it wins where a wide step is cheap (few
@@ -142,8 +146,8 @@ class AdaptiveTau:
     name = "adaptive"
 
     def __init__(self, taus: TauRange, *, tpf_samples: int = 128, pair_samples: int = 1024, cost_samples: int = 15,
-                 cell_samples: int = 5, explore_steps: int = 3,
-                 explore_every: int = 150, rescore_every: int = 8, switch_margin: float = 0.05,
+                 cell_samples: int = 5, explore_steps: int = 3, explore_rows: int = 12,
+                 explore_every: int = 150, rescore_every: int = 8, refit_every: int = 16, switch_margin: float = 0.05,
                  candidates: Sequence[float] | None = None, lossless: bool = False,
                  lossless_block_sizes: Sequence[int] = (2,)):
         self.taus = taus
@@ -155,22 +159,29 @@ class AdaptiveTau:
         # a paired ratio is a property of the model and the traffic, not of the load: a long memory
         self.pair_samples = pair_samples
         self._accepted: dict[Arm, tuple[deque, list[int]]] = {}
-        self.explore_steps, self.explore_every = explore_steps, explore_every
-        # the same batch (rows, named taus, greedy) is re-scored every `rescore_every` decisions, not every
-        # step: on the default profile's toy a step is ~1.2 ms and scoring every arm took ~20 us of it
+        self.explore_steps, self.explore_rows, self.explore_every = explore_steps, explore_rows, explore_every
+        # a batch (rows, named taus, greedy, the settled arm) is re-scored every `rescore_every` decisions,
+        # not every step: on the default profile's toy a step is ~1 ms, and at 4 streams, where rows come and
+        # go every few steps, scoring at each change took 13% of the engine's time
         self.rescore_every = rescore_every
-        self._scored: tuple[tuple | None, int] = (None, 0)  # (the batch last scored, at which decision)
+        self._open_memo: dict[tuple[bool, int], list[Arm]] = {}  # (greedy, B) -> the candidates open
+        self._scored: dict[tuple, tuple[Arm, int]] = {}  # batch -> (its choice, at which decision); cleared by
+        # each exploration (every `explore_every` decisions at most), so it holds a few batches
         # moving rows into or out of the lossless mode costs a step without drafts: only for a gain above this
         self.switch_margin = switch_margin
         self._settled: Arm = LOSSLESS if lossless else taus.default  # the last choice that was not an exploration
         self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
         self._recent: dict[tuple[int, int], deque] = {}
         self._model: tuple[tuple[float, float, float] | None, set[int]] | None = None  # see _cost_model
+        # the model is refitted after `refit_every` new samples, not each one: medians move slowly, and a fit
+        # (least squares over every cell) is most of a decision's time on a small model
+        self.refit_every, self._unfitted = refit_every, 0
         self.tpf: dict[Arm, float] = {1.0: 1.0}  # arm -> tokens per row and forward in its own window
         # paired ratios (see the module docstring): (arm a, arm b) -> ([(a tokens, a rows, b tokens, b rows)]
         # per exploration of one beside the other, their sums); the settled arm's last steps; the open bracket
         self._pairs: dict[tuple[Arm, Arm], tuple[deque, list[int]]] = {}
-        self._settled_steps: deque[tuple[Arm, int, int]] = deque(maxlen=explore_steps)  # (arm, tokens, rows)
+        # the settled arm's last steps, (arm, tokens, rows): an exploration's steps before
+        self._settled_steps: deque[tuple[Arm, int, int]] = deque(maxlen=max(explore_steps, explore_rows))
         self._bracket: _Bracket | None = None
         # the policy rows' last row-steps at any arm but tau = 1: (arm, tokens, rows), and sums per arm
         self._level: deque[tuple[Arm, int, int]] = deque()
@@ -193,11 +204,16 @@ class AdaptiveTau:
         ``seconds`` (None: a step with a joining prompt, whose cost is not a decoding step's);
         ``accepted[arm] = (tokens, rows)`` for the rows at each tau and in the lossless mode."""
         if seconds is not None:
-            recent = self._recent.setdefault((batch, slots), deque(maxlen=self.cost_samples))
+            recent = self._recent.get((batch, slots))
+            if recent is None:  # a new cell: a window the model may not know yet
+                recent = self._recent[(batch, slots)] = deque(maxlen=self.cost_samples)
+                self._model = None
             recent.append(seconds)
             ordered, mid = sorted(recent), len(recent) // 2  # the median (statistics.median is ~3x slower)
             self.cost[(batch, slots)] = ordered[mid] if len(recent) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-            self._model = None
+            self._unfitted += 1
+            if self._unfitted >= self.refit_every:
+                self._model = None
         for arm, (tokens, rows) in accepted.items():
             if rows and arm != 1.0 and arm in self.candidates:  # a request's own tau is not a candidate
                 window, sums = self._accepted.setdefault(arm, (deque(), [0, 0]))  # sums: tokens, rows in it
@@ -318,6 +334,7 @@ class AdaptiveTau:
         forwarded is the same in every window."""
         if self._model is not None:
             return self._model
+        self._unfitted = 0
         cells = [(b, w, self.cost[(b, w)], len(self._recent[(b, w)])) for b, w in self.cost]
         trusted = [cell for cell in cells if cell[3] >= self.cell_samples]
         shape = _shape(trusted) or _shape(cells)  # thin cells (a passing load's one sample) only where needed
@@ -367,8 +384,11 @@ class AdaptiveTau:
     def _open(self, greedy: bool, block_size: int) -> list[Arm]:
         """The candidates for this step: no lossless arm while a policy row samples, no narrow lossless arm
         as wide as the batch's B."""
-        return [a for a in self.candidates if not is_lossless(a) or
-                (greedy and (a == LOSSLESS or arm_block_size(a, block_size) < block_size))]
+        key = (greedy, block_size)
+        if key not in self._open_memo:
+            self._open_memo[key] = [a for a in self.candidates if not is_lossless(a) or
+                                    (greedy and (a == LOSSLESS or arm_block_size(a, block_size) < block_size))]
+        return self._open_memo[key]
 
     def choose(self, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
                lossless_rows: int = 0, greedy: bool = True) -> Arm:
@@ -384,24 +404,26 @@ class AdaptiveTau:
             if arm in open_:
                 return self._use(arm, explore=True)
             self._exploring = None
-        batch = (policy_rows, tuple(fixed_taus), lossless_rows, greedy)
+        settled = self._settled
+        batch = (policy_rows, tuple(fixed_taus), lossless_rows, greedy, settled)
         due = self.decisions % self.explore_every == 0
-        if not due and batch == self._scored[0] and self.decisions - self._scored[1] < self.rescore_every:
-            return self._use(self._settled)  # the same batch, scored a few steps ago: estimates move slowly
+        memo = self._scored.get(batch)
+        if not due and memo is not None and self.decisions - memo[1] < self.rescore_every:
+            self._settled = memo[0]  # this batch, scored a few steps ago: the estimates move slowly
+            return self._use(memo[0])
         scores = self._scores(open_, fixed_taus, policy_rows, block_size, lossless_rows)
         best = _best(scores)
         if best is None:  # measure before judging: the widest unmeasured window first
-            self._scored = (None, 0)
-            return self._explore(min((a for a, v in scores.items() if v is None), key=_width_order))
+            self._scored.clear()
+            return self._explore(min((a for a, v in scores.items() if v is None), key=_width_order), policy_rows)
         if due:
-            self._scored = (None, 0)
-            return self._explore(min(open_, key=lambda a: self.last_seen.get(a, -1)))
-        self._scored = (batch, self.decisions)
-        settled = self._settled
+            self._scored.clear()
+            return self._explore(min(open_, key=lambda a: self.last_seen.get(a, -1)), policy_rows)
         if is_lossless(best) != is_lossless(settled) and settled in scores:
             now = scores[settled]
             if now and scores[best] < now * (1 + self.switch_margin):
                 best = settled
+        self._scored[batch] = (best, self.decisions)
         self._settled = best
         return self._use(best)
 
@@ -411,17 +433,24 @@ class AdaptiveTau:
         some candidate is unmeasured."""
         return _best(self._scores(self._open(greedy, block_size), fixed_taus, policy_rows, block_size, lossless_rows))
 
-    def _explore(self, arm: Arm) -> Arm:
-        # a move into the lossless mode: its first step has no drafts yet (not counted)
-        steps = self.explore_steps + (is_lossless(arm) and not is_lossless(self._settled))
+    def _explore(self, arm: Arm, rows: int = 1) -> Arm:
+        """Run ``arm`` for a few steps of ``rows`` policy rows: ``explore_steps``, or as many as make
+        ``explore_rows`` row-steps where it is paired (a ratio from a handful of a lone row's tokens is
+        noise: on the default profile's toy at one stream, 3-step explorations had it settle in the
+        lossless mode's block size 2, 21% slower there than B, for a third of its steps)."""
+        paired = arm != self._settled and arm != 1.0  # tau = 1's tokens/forward is known: nothing to pair
+        length = max(self.explore_steps, -(-self.explore_rows // max(rows, 1))) if paired else self.explore_steps
+        # a move into the lossless mode or to another lossless width: its first step has the old arm's
+        # drafts (none, or another width's), and the engine does not count it
+        steps = length + (is_lossless(arm) and arm != self._settled)
         self._exploring = (arm, steps - 1) if steps > 1 else None
         self._close_bracket()
-        if arm != self._settled and arm != 1.0:  # tau = 1's tokens/forward is known: nothing to pair
+        if paired:  # the settled arm's last `length` steps, then as many after
             before = [0, 0]
-            for settled, tokens, rows in self._settled_steps:
+            for settled, tokens, rows_ in list(self._settled_steps)[-length:]:
                 if settled == self._settled:
-                    before[0], before[1] = before[0] + tokens, before[1] + rows
-            self._bracket = _Bracket(arm, self._settled, [0, 0], before, self.explore_steps)
+                    before[0], before[1] = before[0] + tokens, before[1] + rows_
+            self._bracket = _Bracket(arm, self._settled, [0, 0], before, length)
         return self._use(arm, explore=True)
 
     def _use(self, arm: Arm, explore: bool = False) -> Arm:
