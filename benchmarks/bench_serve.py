@@ -172,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="MARS checkpoint directory")
     parser.add_argument("--data", required=True, help="prepared data directory (its held-out split: prompts, score)")
     parser.add_argument("--items", type=int, default=0, help="held-out items to cycle through (0: all)")
-    parser.add_argument("--levels", default="1,4,16", help="concurrent streams per steady level")
-    parser.add_argument("--per-stream", type=int, default=6, help="requests per stream at each steady level")
+    parser.add_argument("--levels", default="1,4,16",
+                        help="the steady levels: STREAMS (--per-stream requests a stream) or STREAMS:REQUESTS")
+    parser.add_argument("--per-stream", type=int, default=6, help="requests per stream at a level given as STREAMS")
     parser.add_argument("--bursty", default="1:6,16:48,4:12,16:48,1:6",
                         help="the bursty trace: STREAMS:REQUESTS phases run back to back ('' to skip)")
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -206,8 +207,13 @@ def main(argv: list[str] | None = None) -> int:
                 *([("lossless fixed", "fixed", 1.0, 1.0, "lossless", None)] if args.lossless else []),
                 *((f"lossless w={w} fixed", "fixed", 1.0, 1.0, "lossless", w) for w in narrow),
                 ("adaptive", "adaptive", args.fixed_tau, floor, "tau", None)]
-    levels = [(f"{s} stream{'s' if s > 1 else ''}", [(s, s * args.per_stream)])
-              for s in (int(x) for x in args.levels.split(","))]
+    levels = []
+    for level in args.levels.split(","):
+        try:
+            streams, requests = (int(v) for v in level.split(":")) if ":" in level else (int(level), 0)
+        except ValueError:
+            parser.error(f"--levels: {level!r} is not STREAMS or STREAMS:REQUESTS")
+        levels.append((f"{streams} stream{'s' if streams > 1 else ''}", [(streams, requests or streams * args.per_stream)]))
     if args.bursty:
         trace = [tuple(int(v) for v in phase.split(":")) for phase in args.bursty.split(",")]
         levels.append((f"bursty {args.bursty}", trace))

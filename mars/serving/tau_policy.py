@@ -32,8 +32,12 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   widened, its one): the engine leaves that step out of the arm's tokens/forward (counted, it had the
   policy's explorations of block size 2 from B read the wide arm's drafts and the steps back at B read
   one draft: on the default profile's toy at one stream it then ran block size 2 for 41% of its steps,
-  21% slower there than B), and the policy moves rows into or out of the lossless mode only for a
-  predicted gain above ``switch_margin``.
+  21% slower there than B).
+* the settled arm moves only for a predicted gain above ``switch_margin``: a move into the lossless mode
+  or wider in it costs a step, and on a shared CPU the step costs wander (in ``bench_serve`` on the
+  default profile's toy at 16 streams the cells at 15 rows, measured while a request leaves and the next
+  arrives, read tau = 1 within 1% of tau = 0.9, and with no margin the policy spent 10-26% of its steps
+  at tau = 1, which is 30% slower there).
 * with ``lossless`` one more candidate is the lossless mode (:mod:`mars.decoding.loop`): tau = 1.0's
   greedy output with the mask slots as verified drafts, so it costs no score at all. Its window is the
   widest (the last token, B-1 drafts, B-1 masks: 2B-1 slots), so it wins where a wide step is cheap (few
@@ -50,8 +54,9 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   stream, where a wrong third draft costs a step without drafts). Moving between lossless widths keeps a
   row's drafts (a narrower row verifies what it has).
 
-Unmeasured candidates are tried first (each for a few steps), and every ``explore_every``-th decision
-re-measures the candidate measured longest ago, so the estimates follow the load. A step cost measured
+Unmeasured candidates are tried first, and every ``explore_every``-th decision re-measures the candidate
+measured longest ago, so the estimates follow the load. An exploration lasts ``explore_steps`` steps, or
+``explore_rows`` row-steps where it pairs arms (12 steps of a lone row: see :meth:`AdaptiveTau._explore`). A step cost measured
 only a few times at this batch size is read off a cost model fitted over every measured cell (a fixed
 part, a part per row and a part per token forwarded: :meth:`AdaptiveTau.step_cost`):
 under a changing load most batch sizes are visited for a step or two.
@@ -167,7 +172,7 @@ class AdaptiveTau:
         self._open_memo: dict[tuple[bool, int], list[Arm]] = {}  # (greedy, B) -> the candidates open
         self._scored: dict[tuple, tuple[Arm, int]] = {}  # batch -> (its choice, at which decision); cleared by
         # each exploration (every `explore_every` decisions at most), so it holds a few batches
-        # moving rows into or out of the lossless mode costs a step without drafts: only for a gain above this
+        # the settled arm moves only for a predicted gain above this (see the module docstring)
         self.switch_margin = switch_margin
         self._settled: Arm = LOSSLESS if lossless else taus.default  # the last choice that was not an exploration
         self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
@@ -419,7 +424,7 @@ class AdaptiveTau:
         if due:
             self._scored.clear()
             return self._explore(min(open_, key=lambda a: self.last_seen.get(a, -1)), policy_rows)
-        if is_lossless(best) != is_lossless(settled) and settled in scores:
+        if best != settled and settled in scores:
             now = scores[settled]
             if now and scores[best] < now * (1 + self.switch_margin):
                 best = settled
