@@ -37,7 +37,10 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   or wider in it costs a step, and on a shared CPU the step costs wander (in ``bench_serve`` on the
   default profile's toy at 16 streams the cells at 15 rows, measured while a request leaves and the next
   arrives, read tau = 1 within 1% of tau = 0.9, and with no margin the policy spent 10-26% of its steps
-  at tau = 1, which is 30% slower there).
+  at tau = 1, which is 30% slower there). A move into the lossless mode from a tau needs only
+  ``enter_margin``: its output is tau = 1.0's, so a tau < 1 has to earn its score loss by a clear gain,
+  and where the two tie the policy decodes losslessly (on the toy, tau = 0.9 and lossless at B were
+  within noise at every load, and settled at tau = 0.9 by one noisy estimate the policy stayed there).
 * with ``lossless`` one more candidate is the lossless mode (:mod:`mars.decoding.loop`): tau = 1.0's
   greedy output with the mask slots as verified drafts, so it costs no score at all. Its window is the
   widest (the last token, B-1 drafts, B-1 masks: 2B-1 slots), so it wins where a wide step is cheap (few
@@ -153,6 +156,7 @@ class AdaptiveTau:
     def __init__(self, taus: TauRange, *, tpf_samples: int = 128, pair_samples: int = 1024, cost_samples: int = 15,
                  cell_samples: int = 5, explore_steps: int = 3, explore_rows: int = 12,
                  explore_every: int = 150, rescore_every: int = 8, refit_every: int = 16, switch_margin: float = 0.05,
+                 enter_margin: float = 0.01,
                  candidates: Sequence[float] | None = None, lossless: bool = False,
                  lossless_block_sizes: Sequence[int] = (2,)):
         self.taus = taus
@@ -172,8 +176,9 @@ class AdaptiveTau:
         self._open_memo: dict[tuple[bool, int], list[Arm]] = {}  # (greedy, B) -> the candidates open
         self._scored: dict[tuple, tuple[Arm, int]] = {}  # batch -> (its choice, at which decision); cleared by
         # each exploration (every `explore_every` decisions at most), so it holds a few batches
-        # the settled arm moves only for a predicted gain above this (see the module docstring)
-        self.switch_margin = switch_margin
+        # the settled arm moves only for a predicted gain above this (see the module docstring), into the
+        # lossless mode from a tau above `enter_margin`
+        self.switch_margin, self.enter_margin = switch_margin, enter_margin
         self._settled: Arm = LOSSLESS if lossless else taus.default  # the last choice that was not an exploration
         self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
         self._recent: dict[tuple[int, int], deque] = {}
@@ -426,7 +431,9 @@ class AdaptiveTau:
             return self._explore(min(open_, key=lambda a: self.last_seen.get(a, -1)), policy_rows)
         if best != settled and settled in scores:
             now = scores[settled]
-            if now and scores[best] < now * (1 + self.switch_margin):
+            # into the lossless mode from a tau: it costs no score, only the move's step without drafts
+            margin = self.enter_margin if is_lossless(best) and not is_lossless(settled) else self.switch_margin
+            if now and scores[best] < now * (1 + margin):
                 best = settled
         self._scored[batch] = (best, self.decisions)
         self._settled = best
