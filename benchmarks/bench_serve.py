@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             streams, requests = (int(v) for v in level.split(":")) if ":" in level else (int(level), 0)
         except ValueError:
             parser.error(f"--levels: {level!r} is not STREAMS or STREAMS:REQUESTS")
-        levels.append((f"{streams} stream{'s' if streams > 1 else ''}", [(streams, requests or streams * args.per_stream)]))
+        requests = requests or streams * args.per_stream
+        levels.append((f"{streams} stream{'s' if streams > 1 else ''}", [(streams, requests)]))
     if args.bursty:
         trace = [tuple(int(v) for v in phase.split(":")) for phase in args.bursty.split(",")]
         levels.append((f"bursty {args.bursty}", trace))

@@ -82,7 +82,7 @@ def test_the_settled_arm_moves_only_for_a_gain_above_the_margin(settled, arm, ma
     loss, and where they tie the policy decodes losslessly)."""
     for gain in (1 + margin / 2, 1 + 2 * margin):
         policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(),
-                             explore_every=10 ** 6)
+                             explore_every=10 ** 6, pair_trust=0)
         policy.candidates = [settled, arm]
         for explored in (arm, settled):
             policy._explore(explored)
@@ -190,3 +190,20 @@ def test_a_batch_that_comes_back_is_not_rescored_before_its_turn():
     for step in range(64):
         policy.choose([], 3 + step % 2, B)
     assert 0 < len(scored) <= 2 * 64 // policy.rescore_every
+
+
+def test_the_policy_leaves_the_lossless_mode_for_a_tau_only_on_enough_paired_row_steps():
+    """A lone row's tokens/forward swings from step to step, so a ratio from one or two explorations is
+    noise: the policy moves from where it is to an arm whose yield it pairs (not tau = 1, whose yield is
+    known) once their explorations hold ``pair_trust`` row-steps of each, however far ahead the arm looks."""
+    gain, cost = {LOSSLESS: 1.0, 0.9: 1.3}, {1: 0.010, B: 0.010, 2 * B - 1: 0.010}
+
+    def first_move(**kw):
+        policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(),
+                             explore_every=20, **kw)
+        arms = drive(policy, 1500, lambda step: 3.0, gain, cost, rows=1)  # 3 tokens a step, 4 at 0.9
+        assert arms[-100:] == [0.9] * 100
+        return arms.index(0.9)
+
+    careful, trusting = first_move(), first_move(pair_trust=0)
+    assert careful > trusting + 40  # 48 row-steps at 12 a bracket: four explorations of 0.9, not one
