@@ -26,7 +26,8 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   window of an arm's own steps holds the requests it happened to run on, so comparing two arms' windows
   compared requests, not arms (on the default profile's toy the windows read the lossless mode 1.81
   against tau = 0.9's 3.32 while, decoded side by side, lossless was the faster fixed setting). tau = 1
-  yields exactly one token a row.
+  yields exactly one token a row. A lone row's tokens swing from step to step, so the settled arm moves
+  to an arm it pairs only once their explorations hold ``pair_trust`` row-steps of each.
 * a row moved into the lossless mode has no drafts for one step (it yields one token), and a row moved to
   another lossless width steps once with the old width's drafts (narrowed, it verifies all B-1 of them;
   widened, its one): the engine leaves that step out of the arm's tokens/forward (counted, it had the
