@@ -5,7 +5,9 @@ generator does not share the server's interpreter) and warms it up; then at each
 turn, it runs a bounded load (a fixed number of concurrent streams, each sending its share of a fixed
 number of requests, then it stops) and a bursty trace that moves between levels. ``--repeats N`` runs
 N rounds of each level, the policies taking turns in every round, and a cell shows the median round:
-on a 2-core machine one round's cells move by 5-10% from run to run. Requests are the held-out prompts of the prepared
+on a 2-core machine one round's cells move by 5-15% from run to run. With N > 1 it also prints the adaptive
+policy against the best fixed setting within each round (they ran back to back, so the machine's drift
+between rounds cancels) and the median of those. Requests are the held-out prompts of the prepared
 data (token ids through /v1/completions, greedy, streamed), so each run also gives the held-out score of
 what that policy generated. Printed per level: generated tokens/s, requests/s, latency and
 time-to-first-token percentiles (p50/p95/p99), tokens/forward and the score; then the adaptive policy
@@ -268,6 +270,13 @@ def main(argv: list[str] | None = None) -> int:
             total = sum(chosen.values())
             print(f"{'':<28} adaptive's steps by arm: "
                   + ", ".join(f"{arm} {n / total:.0%}" for arm, n in sorted(chosen.items(), key=lambda kv: -kv[1])))
+        if args.repeats > 1:  # the comparison within each round, where the settings ran back to back
+            per_round = [rounds["adaptive"] / max(r for label, r in rounds.items() if label != "adaptive")
+                         for rounds in ({label: s["rounds_tokens_per_s"][k] for label, s in row.items()}
+                                        for k in range(args.repeats))]
+            print(f"{'':<28} adaptive / best fixed in each round: {', '.join(f'{x:.3f}' for x in per_round)} "
+                  f"(median {statistics.median(per_round):.3f}x)")
+            row["adaptive"]["per_round_vs_best_fixed"] = per_round
         if args.repeats > 1:  # the spread: how far apart the rounds of one setting were
             spread = ", ".join(f"{label} {min(s['rounds_tokens_per_s']):.0f}-{max(s['rounds_tokens_per_s']):.0f}"
                                for label, s in row.items())

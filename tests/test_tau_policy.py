@@ -199,11 +199,31 @@ def test_the_policy_leaves_the_lossless_mode_for_a_tau_only_on_enough_paired_row
     gain, cost = {LOSSLESS: 1.0, 0.9: 1.3}, {1: 0.010, B: 0.010, 2 * B - 1: 0.010}
 
     def first_move(**kw):
+        """(the decision at which the policy first settles at 0.9, the paired row-steps of each it had)"""
         policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(),
                              explore_every=20, **kw)
-        arms = drive(policy, 1500, lambda step: 3.0, gain, cost, rows=1)  # 3 tokens a step, 4 at 0.9
-        assert arms[-100:] == [0.9] * 100
-        return arms.index(0.9)
+        moves, use = [], policy._use
 
-    careful, trusting = first_move(), first_move(pair_trust=0)
-    assert careful > trusting + 40  # 48 row-steps at 12 a bracket: four explorations of 0.9, not one
+        def watched(arm, explore=False):
+            if arm == 0.9 and not explore and not moves:
+                moves.append((policy.decisions, min(policy._pairs[(LOSSLESS, 0.9)][1][1::2])))
+            return use(arm, explore)
+
+        policy._use = watched
+        drive(policy, 1500, lambda step: 3.0, gain, cost, rows=1)  # 3 tokens a step, 4 at 0.9
+        return moves[0]
+
+    (careful, evidence), (trusting, _) = first_move(), first_move(pair_trust=0)
+    assert evidence >= 48 and careful > trusting
+
+
+def test_a_candidate_far_behind_the_best_is_re_measured_only_now_and_then():
+    """An exploration of an arm predicted more than ``explore_within`` behind costs more than it tells:
+    such an arm is re-measured every ``explore_far_every`` decisions, the near ones every turn."""
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(), explore_every=20,
+                         explore_far_every=600)
+    explored, explore = [], policy._explore
+    policy._explore = lambda arm, rows=1: explored.append(arm) or explore(arm, rows)
+    drive(policy, 2400, lambda step: 1.0, {LOSSLESS: 2.0, 0.9: 1.9}, {1: 0.010, B: 0.010, 2 * B - 1: 0.010}, rows=4)
+    # tau = 1 yields 1 token against the lossless mode's 2: 50% behind; tau = 0.9 5%
+    assert explored.count(0.9) > 30 and 2 <= explored.count(1.0) <= 5, explored
