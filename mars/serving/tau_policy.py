@@ -60,8 +60,9 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
 
 Unmeasured candidates are tried first, and every ``explore_every``-th decision re-measures the candidate
 measured longest ago (of those predicted within ``explore_within`` of the best; one further behind only
-every ``explore_far_every`` decisions), so the estimates follow the load. An exploration lasts ``explore_steps`` steps, or
-``explore_rows`` row-steps where it pairs arms (12 steps of a lone row: see :meth:`AdaptiveTau._explore`).
+every ``explore_far_every`` decisions), so the estimates follow the load. An exploration lasts
+``explore_steps`` steps, or ``explore_rows`` row-steps where it pairs arms (12 steps of a lone row: see
+:meth:`AdaptiveTau._explore`).
 A step cost measured only a few times at this batch size is read off a cost model fitted over every
 measured cell (a fixed part, a part per row and a part per token forwarded: :meth:`AdaptiveTau.step_cost`):
 under a changing load most batch sizes are visited for a step or two.
@@ -291,8 +292,7 @@ class AdaptiveTau:
         bracket, self._bracket = self._bracket, None
         if bracket is None or not bracket.during[1] or not bracket.base[1]:
             return
-        # one pool per pair of arms, whichever was explored: the ratio either way is then one number
-        key = tuple(sorted((bracket.arm, bracket.settled), key=_width_order))
+        key = _pair_key(bracket.arm, bracket.settled)
         record = (*bracket.during, *bracket.base) if key[0] == bracket.arm else (*bracket.base, *bracket.during)
         pool, sums = self._pairs.setdefault(key, (deque(), [0, 0, 0, 0]))
         pool.append(record)
@@ -316,7 +316,7 @@ class AdaptiveTau:
 
     def _ratio(self, arm: Arm, base: Arm) -> float | None:
         """tokens/forward at ``arm`` over that at ``base``, on the same rows at the same time."""
-        key = tuple(sorted((arm, base), key=_width_order))
+        key = _pair_key(arm, base)
         if key not in self._pairs:
             return None
         a_tokens, a_rows, b_tokens, b_rows = self._pairs[key][1]
@@ -325,7 +325,7 @@ class AdaptiveTau:
 
     def _trusted(self, arm: Arm, base: Arm) -> bool:
         """Whether the explorations pairing ``arm`` with ``base`` hold ``pair_trust`` row-steps of each."""
-        pool = self._pairs.get(tuple(sorted((arm, base), key=_width_order)))
+        pool = self._pairs.get(_pair_key(arm, base))
         return self.pair_trust <= 0 or (pool is not None and min(pool[1][1], pool[1][3]) >= self.pair_trust)
 
     def step_cost(self, batch: int, slots: int, modelled: bool = False) -> float | None:
@@ -524,6 +524,12 @@ def _best(scores: dict[Arm, float | None]) -> Arm | None:
     if any(v is None for v in scores.values()):
         return None
     return max(scores, key=lambda a: (scores[a], _width_order(a)))
+
+
+def _pair_key(a: Arm, b: Arm) -> tuple[Arm, Arm]:
+    """The pool of paired explorations of two arms: one per pair, whichever was explored, so the ratio
+    either way is one number."""
+    return tuple(sorted((a, b), key=_width_order))
 
 
 def _width_order(arm: Arm) -> float:
