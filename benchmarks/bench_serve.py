@@ -271,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':<28} adaptive's steps by arm: "
                   + ", ".join(f"{arm} {n / total:.0%}" for arm, n in sorted(chosen.items(), key=lambda kv: -kv[1])))
         if args.repeats > 1:  # the comparison within each round, where the settings ran back to back
-            per_round = [rounds["adaptive"] / max(r for label, r in rounds.items() if label != "adaptive")
-                         for rounds in ({label: s["rounds_tokens_per_s"][k] for label, s in row.items()}
-                                        for k in range(args.repeats))]
+            rounds = {label: s["rounds_tokens_per_s"] for label, s in row.items()}
+            per_round = [rounds["adaptive"][k] / max(r[k] for label, r in rounds.items() if label != "adaptive")
+                         for k in range(args.repeats)]
             print(f"{'':<28} adaptive / best fixed in each round: {', '.join(f'{x:.3f}' for x in per_round)} "
                   f"(median {statistics.median(per_round):.3f}x)")
             row["adaptive"]["per_round_vs_best_fixed"] = per_round
