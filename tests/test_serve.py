@@ -335,13 +335,20 @@ def test_sampling_at_tau_one_follows_the_ar_distribution(release):
     check(prompt + [first], [s[1] for s in samples if s[0] == first])
 
 
-def test_rows_joining_a_running_batch_decode_as_they_would_alone():
-    """The step core under the server: rows join at any step (into finished rows' places or appended),
-    each with its own tau or mode, and get the tokens generate() gives them alone."""
+def confident_model():
+    """A random tiny Llama with sharpened logits (tau < 1 accepts a varying number of slots), labelled as a
+    MARS checkpoint with B = 4 and mask id 95: the step core's tests below run on it without a server."""
     model = tiny_model("llama", seed=5, vocab=96)
     with torch.no_grad():
         model.lm_head.weight.mul_(60)
     model.config.mars = {"block_size": B, "mask_token_id": 95}
+    return model
+
+
+def test_rows_joining_a_running_batch_decode_as_they_would_alone():
+    """The step core under the server: rows join at any step (into finished rows' places or appended),
+    each with its own tau or mode, and get the tokens generate() gives them alone."""
+    model = confident_model()
     model.generation_config.eos_token_id = 63
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4)]
@@ -368,10 +375,7 @@ def test_a_row_moved_between_the_lossless_mode_and_tau_one_stays_greedy_and_drop
     lossless and tau = 1.0 are greedy, so a row flipped every step gets the greedy tokens; a row that
     leaves the lossless mode with drafts pending drops them: at tau = 1 it forwards its real tokens only
     (the rest of its window repeats the last one) and masks wait where the drafts were."""
-    model = tiny_model("llama", seed=5, vocab=96)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(60)
-    model.config.mars = {"block_size": B, "mask_token_id": 95}
+    model = confident_model()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (6, 11)]
     windows = []
@@ -414,10 +418,7 @@ def test_a_step_with_the_drafts_of_another_lossless_width_is_not_counted_as_the_
     from mars.serving.served_model import ServedModel
     from mars.serving.tau_policy import LOSSLESS, narrow_lossless
 
-    model = tiny_model("llama", seed=5, vocab=96)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(60)
-    model.config.mars = {"block_size": B, "mask_token_id": 95}
+    model = confident_model()
     narrow = narrow_lossless(2)
     script = [LOSSLESS, LOSSLESS, narrow, narrow, narrow, LOSSLESS, LOSSLESS, 1.0, LOSSLESS, LOSSLESS]
 
