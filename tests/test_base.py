@@ -72,6 +72,16 @@ def test_tiny_base_is_deterministic_in_the_seed():
     assert torch.equal(w1, w2) and not torch.equal(w1, w3)
 
 
+def test_the_same_seed_writes_the_same_bytes(tmp_path):
+    # dvc.lock's hash of models/base is then the same on every machine (tests/test_reference_results.py)
+    args = ["base", "--params", str(ROOT / "params.yaml"), *[x for s in SMALL for x in ("-S", s)]]
+    for run in ("a", "b"):
+        assert main([*args, "--out", str(tmp_path / run)]) == 0
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert "base.json" in files and "model.safetensors" in files
+    assert [(tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files] == [True] * len(files)
+
+
 def test_model_section_is_validated():
     with pytest.raises(ConfigError, match="model.tiny.hidden_size"):
         section(load_params(ROOT / "params.yaml", ["model.tiny.hidden_size=30"]), "model", ModelConfig)
@@ -97,7 +107,7 @@ def test_hub_profile_fails_offline_with_a_clear_message(tmp_path):
 def test_smollm2_base_records_the_resize_and_round_trips_the_mask_token(smollm2_dir, tmp_path):
     model, tokenizer, info = build_base(ModelConfig(source="smollm2"), seed=0)
     assert info.resized and info.embedding_rows_after == info.embedding_rows_before + 1
-    save_base(model, tokenizer, describe(model, tokenizer, info, "smollm2", 0.0), tmp_path / "base")
+    save_base(model, tokenizer, describe(model, tokenizer, info, "smollm2"), tmp_path / "base")
     recorded = json.loads((tmp_path / "base" / "base.json").read_text())
     assert recorded["mask_token"]["resized"] is True
     assert recorded["embedding_rows"] == info.embedding_rows_after

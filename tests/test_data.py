@@ -27,7 +27,7 @@ def base(tmp_path_factory) -> Path:
                                       intermediate_size=64))
     model, tok, info = build_base(cfg, seed=0)
     out = tmp_path_factory.mktemp("models") / "base"
-    save_base(model, tok, describe(model, tok, info, "tiny", 0.0), out)
+    save_base(model, tok, describe(model, tok, info, "tiny"), out)
     return out
 
 

@@ -49,7 +49,7 @@ def base(tmp_path_factory) -> Path:
     stop = min(range(len(tok)), key=lambda t: abs(sum(t in o for o in outs) - len(outs) / 2))
     model.generation_config.eos_token_id = [tok.eos_token_id, stop]
     out = tmp_path_factory.mktemp("models") / "base"
-    save_base(model, tok, describe(model, tok, info, "tiny", 0.0), out)
+    save_base(model, tok, describe(model, tok, info, "tiny"), out)
     return out
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,7 +149,9 @@ def build_base(cfg: ModelConfig, seed: int):
     return model, tokenizer, info
 
 
-def describe(model, tokenizer, info, source: str, seconds: float) -> dict:
+def describe(model, tokenizer, info, source: str) -> dict:
+    """base.json: what was built, no wall clock (the same seed gives the same bytes, so dvc.lock's hash of
+    models/base is reproducible)."""
     n_params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
     return {
         "source": source,
@@ -163,7 +164,6 @@ def describe(model, tokenizer, info, source: str, seconds: float) -> dict:
         "pad_token_id": tokenizer.pad_token_id,
         "has_chat_template": bool(getattr(tokenizer, "chat_template", None)),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "build_seconds": round(seconds, 2),
     }
 
 
@@ -184,9 +184,8 @@ def read_base_json(model_dir: str | Path) -> dict:
 
 def make_base(cfg: ModelConfig, seed: int, out: str | Path) -> dict:
     """Build the base model of ``cfg`` and save it into ``out``; returns its ``base.json``."""
-    start = time.perf_counter()
     model, tokenizer, info = build_base(cfg, seed)
-    meta = describe(model, tokenizer, info, cfg.source, time.perf_counter() - start)
+    meta = describe(model, tokenizer, info, cfg.source)
     meta["seed"] = seed
     meta["config"] = dataclasses.asdict(cfg) if cfg.source == TINY else {"source": cfg.source, "dtype": cfg.dtype}
     save_base(model, tokenizer, meta, Path(out))
