@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from mars.errors import ConfigError, MarsError
 from mars.config import build, load_params, section
-from mars.training.trainer import DataOrder, TrainConfig, complete_checkpoints, shard, train
+from mars.training.trainer import SUMMARY_COLUMNS, DataOrder, TrainConfig, complete_checkpoints, shard, train
 
 VOCAB = 96
 SPECIALS = ["<pad>", "</s>", "<|mask|>"]
@@ -161,6 +161,18 @@ def test_sft_learns_and_writes_a_self_describing_checkpoint(init_dir, tmp_path):
     run = json.loads((final / "mars_run.json").read_text())
     assert run["steps"] == 30 and run["processes"] == 1
     assert (tmp_path / "sft" / "steps").is_dir(), "declared DVC output, even with no step saved (save_every > steps)"
+
+
+def test_the_same_run_twice_writes_the_same_final_checkpoint_bytes(init_dir, tmp_path):
+    # no wall clock in it (mars_run.json keeps the final step's losses, not its tokens/s): dvc.lock's hash of
+    # checkpoints/<stage>/final then says whether a fresh run took the committed one's rounding path
+    cfg, data = config(sft={"max_steps": 4}), copy_examples(16)
+    finals = [train(cfg, stage="sft", init=init_dir, examples=data, out=tmp_path / run,
+                    metrics_path=tmp_path / f"{run}.tsv", progress=False).final_dir for run in ("a", "b")]
+    files = sorted(p.name for p in finals[0].iterdir())
+    assert "mars_run.json" in files and "model.safetensors" in files
+    assert [(finals[0] / f).read_bytes() == (finals[1] / f).read_bytes() for f in files] == [True] * len(files)
+    assert set(json.loads((finals[0] / "mars_run.json").read_text())["final_step"]) == set(SUMMARY_COLUMNS)
 
 
 def test_mars_stage_logs_both_losses_and_ar_control_runs_as_many_steps(init_dir, tmp_path):

@@ -606,7 +606,8 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
     final = out / "final"
     _save_final(accelerator, model, tokenizer, final, checkpoint_info(cfg, stage, mask_id, base), {
         "stage": stage, "objective": objective, "init": str(init), "steps": total, "seed": seed,
-        "num_examples": n, "processes": world, "train": asdict(cfg), "final_step": last,
+        "num_examples": n, "processes": world, "train": asdict(cfg),
+        "final_step": {k: last[k] for k in SUMMARY_COLUMNS if k in last},  # no throughput: the same bytes each run
     })
     if main:
         write_summary(metrics_path, last)
