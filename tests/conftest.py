@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -13,6 +15,15 @@ _threads = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDI
 torch.set_num_threads(_threads)
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+
+
+def pytest_report_header(config):
+    # the suite writes SmolLM2 checkpoints (513 MB each) and S3 objects under the temp dir: a CI run that
+    # failed with "No space left on device" and S3 "InternalError"s is told apart from a regression here
+    where = config.option.basetemp or tempfile.gettempdir()
+    free = shutil.disk_usage(where if os.path.isdir(where) else tempfile.gettempdir()).free
+    return f"free disk under {where}: {free / 2**30:.1f} GiB (the suite needs ~4 GiB at its peak)"
+
 
 # The real S3 server fixtures (s3_server, store_uri), shared by the store, release and flow tests.
 pytest_plugins = ["s3_server"]
