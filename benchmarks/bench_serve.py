@@ -4,7 +4,8 @@ For each policy it starts `mars serve --model DIR` on 127.0.0.1 (a subprocess on
 generator does not share the server's interpreter) and warms it up; then at each level, the policies in
 turn, it runs a bounded load (a fixed number of concurrent streams, each sending its share of a fixed
 number of requests, then it stops) and a bursty trace that moves between levels. ``--repeats N`` runs
-N rounds of each level, the policies taking turns in every round, and a cell shows the median round:
+N rounds of each level, the policies taking turns in every round (each round one further along the
+list, so that no policy always runs first or last), and a cell shows the median round:
 on a 2-core machine one round's cells move by 5-15% from run to run. With N > 1 it also prints the adaptive
 policy against the best fixed setting within each round (they ran back to back, so the machine's drift
 between rounds cancels) and the median of those. Requests are the held-out prompts of the prepared
@@ -234,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, phases in levels:
             runs: dict[str, list[dict]] = {label: [] for label, _ in servers}
             for round_ in range(args.repeats):
-                for label, server in servers:
+                turn = round_ % len(servers)
+                for label, server in servers[turn:] + servers[:turn]:
                     steps_before = policy_steps(server)
                     started, results, offset = time.perf_counter(), [], 0
                     for streams, requests in phases:
