@@ -361,10 +361,15 @@ def summary_path(metrics_path: Path) -> Path:
     return Path(metrics_path).with_suffix(".json")
 
 
+def step_summary(last: dict) -> dict:
+    """The reproducible part of a logged step (its throughput left out)."""
+    return {c: last[c] for c in SUMMARY_COLUMNS if c in last}
+
+
 def write_summary(metrics_path: Path, last: dict) -> Path:
     """The summary of a finished run whose final step logged ``last`` (empty: a run of 0 steps)."""
     path = summary_path(metrics_path)
-    write_json(path, {c: last[c] for c in SUMMARY_COLUMNS} if last else {"step": 0})
+    write_json(path, step_summary(last) if last else {"step": 0})
     return path
 
 
@@ -607,7 +612,7 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
     _save_final(accelerator, model, tokenizer, final, checkpoint_info(cfg, stage, mask_id, base), {
         "stage": stage, "objective": objective, "init": str(init), "steps": total, "seed": seed,
         "num_examples": n, "processes": world, "train": asdict(cfg),
-        "final_step": {k: last[k] for k in SUMMARY_COLUMNS if k in last},  # no throughput: the same bytes each run
+        "final_step": step_summary(last),  # no throughput: the same run writes the same bytes
     })
     if main:
         write_summary(metrics_path, last)
