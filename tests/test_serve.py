@@ -112,6 +112,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def metrics(url: str) -> dict[str, float]:
+    """One scrape of /metrics: each sample's value by its name (with labels)."""
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))}
+
+
+def metric(url: str, name: str) -> float:
+    for sample, value in metrics(url).items():
+        if sample == name or sample.startswith(name + "{"):
+            return value
+    raise KeyError(name)
+
+
+def wait_until_taken(url: str, count: int, timeout: float = 60) -> None:
+    """Until the server has taken ``count`` generation requests (waiting, in the batch, or answered): a
+    request still on its way (sent by a client thread, not yet parsed) would meet a shutdown as a new one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = metrics(url)
+        answered = sum(v for k, v in now.items() if k.startswith("mars_requests_total{"))
+        if now["mars_running_requests"] + now["mars_queue_depth"] + answered >= count:
+            return
+        assert time.monotonic() < deadline, f"the server did not take {count} requests in {timeout} s"
+        time.sleep(0.01)
+
+
 class Running:
     """`mars serve --release mars --stage prod` in a thread of this process (uvicorn on a free port)."""
 
@@ -136,10 +162,7 @@ class Running:
                           timeout=60, **kw)
 
     def metric(self, name: str) -> float:
-        for line in httpx.get(self.url + "/metrics").text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        return metric(self.url, name)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -602,8 +625,7 @@ def test_an_exit_signal_drains_or_past_the_drain_time_cancels(release, tmp_path,
             taken = [pool.submit(one.post, "/v1/completions", {"model": NAME, "prompt": [5, 6, 7 + i],
                                                                 "max_tokens": 200, "temperature": 0})
                      for i in range(3)]
-            while one.metric("mars_queue_depth") < 2:
-                time.sleep(0.01)
+            wait_until_taken(one.url, 3)
             one.server.handle_exit(signal.SIGTERM, None)
             if finished:  # (with no drain time the server may be gone before a late request gets there)
                 late = one.post("/v1/completions", {"model": NAME, "prompt": [5], "max_tokens": 2})
@@ -644,8 +666,7 @@ def test_sigterm_drains_taken_requests_and_answers_new_ones_503(release, tmp_pat
         with ThreadPoolExecutor(4) as pool:
             taken = [pool.submit(client.chat.completions.create, model=NAME, temperature=0, max_tokens=150,
                                  messages=[{"role": "user", "content": p}]) for p in PROMPTS]
-            while "mars_running_requests 1.0" not in httpx.get(url + "/metrics").text:
-                time.sleep(0.02)
+            wait_until_taken(url, len(PROMPTS))
             proc.send_signal(signal.SIGTERM)
             late = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": [
                 {"role": "user", "content": "hi"}]})
