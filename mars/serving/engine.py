@@ -87,6 +87,23 @@ class RequestHandle:
                 return
 
 
+def deliver(items: list[tuple[RequestHandle, object]]) -> None:
+    """Hand a step's items to their requests with one wake-up of each event loop, not one per item. A wake-up
+    is a write to the loop's self-pipe and then the GIL back from the loop's thread: at one stream on the
+    default profile's toy it took 13% of the engine thread's time, and per row at 16 streams (one per
+    item: 3638-3704 tokens/s, lossless fixed; one per step: 3856-3983)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+    for handle, item in items:
+        by_loop.setdefault(handle.loop, []).append((handle.queue, item))
+    for loop, queued in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, queued)
+
+
+def _put_all(queued: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in queued:
+        queue.put_nowait(item)
+
+
 class Engine:
     def __init__(self, model: ServedModel, policy, *, max_batch: int = 16, max_queue: int = 64, metrics=None,
                  prefix: Sequence[int] = ()):
@@ -202,6 +219,7 @@ class Engine:
                     r.lossless, r.tau, r.block_size = False, arm, named
         rows = len(batch)
         updates = batch.step()
+        out: list[tuple[RequestHandle, object]] = []
         for u in updates:
             handle = self.handles.pop(id(u.row), None) if u.done else self.handles.get(id(u.row))
             if handle is None:  # failed by close(drain=False) meanwhile
@@ -209,10 +227,11 @@ class Engine:
             handle.taus.append(u.row.tau)
             handle.lossless_steps += u.row.lossless
             if u.new_tokens:
-                handle.push(u.new_tokens)
+                out.append((handle, u.new_tokens))
             if u.done:
-                handle.push(Finished(u.token_ids, u.forwards, "stop" if u.stopped else "length", handle.taus,
-                                     handle.lossless_steps))
+                out.append((handle, Finished(u.token_ids, u.forwards, "stop" if u.stopped else "length", handle.taus,
+                                             handle.lossless_steps)))
+        deliver(out)
         seconds = time.perf_counter() - started
         slots = batch.last_slots  # the step's cost class: its widest row's (1, w, or 2w-1 in the lossless mode)
         accepted: dict = {}
