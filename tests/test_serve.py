@@ -509,6 +509,37 @@ def test_full_queue_answers_429_with_retry_after_and_api_key_is_required(release
         tight.stop()
 
 
+def test_a_steps_tokens_reach_their_requests_in_order_with_one_wake_up_of_the_loop():
+    """The engine thread hands a step's items (token lists, Finished records) to every request at once: one
+    call into the event loop per step, not one per row, and each request sees its own items in order."""
+    import asyncio
+
+    from mars.serving.engine import Finished, GenerationRequest, RequestHandle, deliver
+
+    loop = asyncio.new_event_loop()
+    server = threading.Thread(target=loop.run_forever, daemon=True)
+    server.start()
+    wake_ups = []
+    real = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: wake_ups.append(a) or real(*a)
+    try:
+        handles = [RequestHandle(GenerationRequest([5], 4), loop, DecodeRow([5], 4)) for _ in range(3)]
+        done = Finished([7, 8], 1, "length", [1.0])
+        deliver([(handles[0], [7]), (handles[1], [9]), (handles[0], [8]), (handles[0], done)])
+        deliver([(handles[2], [1])])
+        assert len(wake_ups) == 2  # one per step
+
+        async def drain(handle, n):
+            return [await handle.queue.get() for _ in range(n)]
+
+        got = [asyncio.run_coroutine_threadsafe(drain(h, n), loop).result(5) for h, n in zip(handles, (3, 1, 1))]
+        assert got == [[[7], [8], done], [[9]], [[1]]]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        server.join(5)
+        loop.close()
+
+
 def test_a_stream_whose_client_goes_away_leaves_the_batch(release, tmp_path):
     one = Running(release, tmp_path / "cache", max_batch=1)
     try:
