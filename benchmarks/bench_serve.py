@@ -9,7 +9,7 @@ list, so that no policy always runs first or last), and a cell shows the median 
 on a 2-core machine one round's cells move by 5-15% from run to run. With N > 1 it also prints the adaptive
 policy against the best fixed setting within each round (they ran back to back, so the machine's drift
 between rounds cancels) and the median of those, and the same against the one setting whose median is best
-(a round's best of four noisy cells is biased high; one setting's cell is not). Requests are the held-out prompts of the prepared
+(a round's best of four noisy cells is biased high; a setting picked once over all rounds, less so). Requests are the held-out prompts of the prepared
 data (token ids through /v1/completions, greedy, streamed), so each run also gives the held-out score of
 what that policy generated. Printed per level: generated tokens/s, requests/s, latency and
 time-to-first-token percentiles (p50/p95/p99), tokens/forward and the score; then the adaptive policy
@@ -281,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(median {statistics.median(per_round):.3f}x)")
             row["adaptive"]["per_round_vs_best_fixed"] = per_round
             # The best of four noisy cells in each round beats any one fixed setting's own cell by the noise's
-            # order statistics (two tied settings at 5% noise: ~3%); against the one setting that is best over
-            # the rounds (by its median) the round-by-round comparison has no such bias.
+            # order statistics (two tied settings at 5% noise: ~3%). Picking the setting once, by its median
+            # over the rounds, leaves less of that bias (some remains: the pick is made on the same rounds).
             best = max((label for label in rounds if label != "adaptive"), key=lambda label: row[label]["tokens_per_s"])
             paired = [a / b for a, b in zip(rounds["adaptive"], rounds[best])]
             print(f"{'':<28} adaptive / {best} (best by median) in each round: "
