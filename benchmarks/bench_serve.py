@@ -9,8 +9,8 @@ list, so that no policy always runs first or last), and a cell shows the median 
 on a 2-core machine one round's cells move by 5-15% from run to run. With N > 1 it also prints the adaptive
 policy against the best fixed setting within each round (they ran back to back, so the machine's drift
 between rounds cancels) and the median of those, and the same against the one setting whose median is best
-(a round's best of four noisy cells is biased high; a setting picked once over all rounds, less so). Requests are the held-out prompts of the prepared
-data (token ids through /v1/completions, greedy, streamed), so each run also gives the held-out score of
+(a round's best of four noisy cells is biased high; a setting picked once over all rounds, less so).
+Requests are the held-out prompts of the prepared data (token ids through /v1/completions, greedy, streamed), so each run also gives the held-out score of
 what that policy generated. Printed per level: generated tokens/s, requests/s, latency and
 time-to-first-token percentiles (p50/p95/p99), tokens/forward and the score; then the adaptive policy
 against the best fixed setting and against tau = 1.0. "lossless fixed" sends every request with
