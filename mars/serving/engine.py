@@ -63,8 +63,8 @@ class Finished:
 
 
 class RequestHandle:
-    """A submitted request: the engine thread pushes token lists, then a :class:`Finished` or an
-    exception, into an asyncio queue of the server's event loop."""
+    """A submitted request: the engine thread hands it token lists, then a :class:`Finished` or an
+    exception, through an asyncio queue of the server's event loop (:func:`deliver`)."""
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, row: DecodeRow):
         self.request, self.loop, self.row = request, loop, row
@@ -72,9 +72,6 @@ class RequestHandle:
         self.taus: list[float] = []
         self.lossless_steps = 0
         self.submitted = time.perf_counter()
-
-    def push(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def events(self):
         """Token lists as they are accepted, then the :class:`Finished` record (an error is raised)."""
@@ -254,10 +251,8 @@ class Engine:
                               self.policy, self.queue_depth, arm, prefix_tokens=hits * len(batch.prefix))
 
     def _fail_all(self, error: Exception, waiting: bool = True) -> None:
-        for handle in self.handles.values():
-            handle.push(error)
+        failed = list(self.handles.values()) + ([handle for _, handle in self.waiting] if waiting else [])
+        deliver([(handle, error) for handle in failed])
         self.handles.clear()
         if waiting:
-            for _, handle in self.waiting:
-                handle.push(error)
             self.waiting.clear()
