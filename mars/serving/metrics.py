@@ -7,7 +7,8 @@ the lossless mode), ``mars_step_cost_seconds{batch, window}`` (the measured deco
 adaptive policy decides on; window: the widest row's slots, 1, w at a tau < 1, 2w-1 in the lossless
 mode at block size w), ``mars_tokens_per_forward{tau}`` (tau="lossless" for the lossless mode,
 "lossless:w" for it at a block size w below the checkpoint's), ``mars_policy_steps_total{arm}``
-(steps by the arm the policy chose: where the adaptive policy spends its time),
+(steps by the arm the policy chose: where the adaptive policy spends its time), ``mars_step_cost_drift``
+(the machine's speed now against the one the step costs are kept at: above 1, slower),
 ``mars_prefix_cache_tokens_total`` (prompt tokens copied from the prefix cache instead of computed),
 counters of requests by status, generated tokens and decoding steps, a step-time histogram, and
 ``mars_release_info`` (which release serves new requests).
@@ -32,6 +33,8 @@ class ServerMetrics:
                               registry=registry)
         self.step_cost = Gauge("mars_step_cost_seconds", "measured seconds per decoding step (moving average)",
                                ["batch", "window"], registry=registry)
+        self.drift = Gauge("mars_step_cost_drift", "seconds a decoding step takes now per second of the kept step "
+                           "costs (above 1: the machine runs slower than when they were measured)", registry=registry)
         self.tokens_per_forward = Gauge("mars_tokens_per_forward", "measured tokens per row and forward at a tau",
                                         ["tau"], registry=registry)
         self.requests = Counter("mars_requests", "finished HTTP generation requests", ["status"], registry=registry)
@@ -82,8 +85,10 @@ class ServerMetrics:
                 value = policy.tokens_per_forward(tau)  # the estimate the policy decides on
                 if value is not None:
                     self.tokens_per_forward.labels(_arm_label(tau)).set(value)
-            for (rows, slots), seconds in list(getattr(policy, "cost", {}).items()):  # the medians it decides on
-                self.step_cost.labels(str(rows), str(slots)).set(seconds)
+            speed = getattr(policy, "speed", 1.0)
+            self.drift.set(speed)
+            for (rows, slots), seconds in list(getattr(policy, "cost", {}).items()):  # the medians it decides on,
+                self.step_cost.labels(str(rows), str(slots)).set(seconds * speed)  # in seconds at today's speed
         return generate_latest(self.registry)
 
 
