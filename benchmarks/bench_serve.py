@@ -13,7 +13,9 @@ between rounds cancels) and the median of those, and the same against the one se
 Requests are the held-out prompts of the prepared data (token ids through /v1/completions, greedy, streamed), so each run also gives the held-out score of
 what that policy generated. Printed per level: generated tokens/s, requests/s, latency and
 time-to-first-token percentiles (p50/p95/p99), tokens/forward and the score; then the adaptive policy
-against the best fixed setting and against tau = 1.0. "lossless fixed" sends every request with
+against the best fixed setting and against tau = 1.0, where it spent its steps, and the share of each
+server's step time in steps that took new prompts (their prefill: the same work per request whatever
+the setting, so where it is large the settings' decoding speeds show less in tokens/s). "lossless fixed" sends every request with
 ``mode: lossless`` (tau = 1.0's output, drafts verified), "lossless w=2 fixed" with ``block_size: 2`` too
 (one draft a step: a narrower window; ``--lossless-block-sizes``); the adaptive policy may use that mode
 at both widths (``mars serve --adaptive-lossless``, on by default; ``--no-adaptive-lossless`` here turns
@@ -108,13 +110,23 @@ class Server:
             self.proc.kill()
 
 
-def policy_steps(server: Server) -> dict[str, float]:
-    """The server's decoding steps so far by the arm its tau policy chose (``mars_policy_steps_total``)."""
+def server_counters(server: Server) -> dict:
+    """From the server's /metrics: its decoding steps so far by the arm its tau policy chose
+    (``mars_policy_steps_total``), and its seconds in steps (``mars_step_seconds_sum``), of them in steps that
+    took new prompts (``mars_joining_step_seconds_total``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(server.url + "/metrics", timeout=30).text
-    return {sample.labels["arm"]: sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples if sample.name == "mars_policy_steps_total"}
+    counters = {"policy_steps": {}, "step_seconds": 0.0, "joining_seconds": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "mars_policy_steps_total":
+                counters["policy_steps"][sample.labels["arm"]] = sample.value
+            elif sample.name == "mars_step_seconds_sum":
+                counters["step_seconds"] = sample.value
+            elif sample.name == "mars_joining_step_seconds_total":
+                counters["joining_seconds"] = sample.value
+    return counters
 
 
 async def one_request(client: httpx.AsyncClient, server: Server, prompt: list[int], max_tokens: int) -> dict:
@@ -262,14 +274,18 @@ def main(argv: list[str] | None = None) -> int:
             for round_ in range(args.repeats):
                 turn = round_ % len(servers)
                 for label, server in servers[turn:] + servers[:turn]:
-                    steps_before = policy_steps(server)
+                    before = server_counters(server)
                     started, results, offset = time.perf_counter(), [], 0
                     for streams, requests in phases:
                         results += asyncio.run(run_phase(server, items, offset, streams, requests, args.max_tokens))
                         offset += requests
                     runs[label].append(summarize(results, time.perf_counter() - started, items))
-                    steps = {arm: n - steps_before.get(arm, 0.0) for arm, n in policy_steps(server).items()}
+                    after = server_counters(server)
+                    steps = {arm: n - before["policy_steps"].get(arm, 0.0) for arm, n in after["policy_steps"].items()}
                     runs[label][-1]["policy_steps"] = {arm: n for arm, n in steps.items() if n}
+                    stepping = after["step_seconds"] - before["step_seconds"]
+                    runs[label][-1]["joining_share"] = ((after["joining_seconds"] - before["joining_seconds"]) / stepping
+                                                        if stepping else None)
                     print(f"  {label:>18} {name} (round {round_ + 1}): {runs[label][-1]['tokens_per_s']:.1f} tokens/s",
                           file=sys.stderr)
             for label, rounds in runs.items():  # the median round by throughput
@@ -298,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
             total = sum(chosen.values())
             print(f"{'':<28} adaptive's steps by arm: "
                   + ", ".join(f"{arm} {n / total:.0%}" for arm, n in sorted(chosen.items(), key=lambda kv: -kv[1])))
+        shares = {label: s["joining_share"] for label, s in row.items()}
+        if None not in shares.values():  # prefill beside decoding: a cost every setting pays, per request
+            print(f"{'':<28} step time in steps with joining prompts: "
+                  + ", ".join(f"{label} {share:.0%}" for label, share in shares.items()))
         if args.repeats > 1:  # the comparison within each round, where the settings ran back to back
             rounds = {label: s["rounds_tokens_per_s"] for label, s in row.items()}
             per_round = [rounds["adaptive"][k] / max(r[k] for label, r in rounds.items() if label != "adaptive")

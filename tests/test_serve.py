@@ -299,6 +299,8 @@ def test_models_health_and_metrics(server):
     for name in ("mars_queue_depth", "mars_tau_in_use", "mars_step_cost_seconds{", "mars_step_cost_drift",
                  "mars_running_requests", 'mars_release_info{name="mars",version="v1"} 1.0'):
         assert name in text
+    # every request's prompt joins the batch in some step: that step's seconds count as joining
+    assert 0 < server.metric("mars_joining_step_seconds_total") <= server.metric("mars_step_seconds_sum")
     # the chat prompt's head came from the prefix cache; raw token ids that do not start with it did not
     head = chat_head(server.built.serving.engines()[0].model.tokenizer)
     assert head and server.metric("mars_prefix_cache_tokens_total") == copied + len(head)

@@ -10,7 +10,9 @@ mode at block size w), ``mars_tokens_per_forward{tau}`` (tau="lossless" for the 
 (steps by the arm the policy chose: where the adaptive policy spends its time), ``mars_step_cost_drift``
 (the machine's speed now against the one the step costs are kept at: above 1, slower),
 ``mars_prefix_cache_tokens_total`` (prompt tokens copied from the prefix cache instead of computed),
-counters of requests by status, generated tokens and decoding steps, a step-time histogram, and
+counters of requests by status, generated tokens and decoding steps, a step-time histogram,
+``mars_joining_step_seconds_total`` (the part of it in steps that took new requests' prompts: prefill
+beside the batch's decoding; the rest decodes), and
 ``mars_release_info`` (which release serves new requests).
 """
 
@@ -44,6 +46,8 @@ class ServerMetrics:
                                      "chat template's head) instead of computed", registry=registry)
         self.policy_steps = Counter("mars_policy_steps", "decoding steps by the arm the tau policy chose for the "
                                     "rows that named no tau (a tau, or lossless)", ["arm"], registry=registry)
+        self.joining_seconds = Counter("mars_joining_step_seconds", "seconds in steps that took new requests' "
+                                       "prompts (their prefill beside the batch's decoding)", registry=registry)
         self.step_seconds = Histogram("mars_step_seconds", "seconds per batched decoding step", registry=registry,
                                       buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.release = Gauge("mars_release_info", "1 for the release serving new requests", ["name", "version"],
@@ -61,6 +65,8 @@ class ServerMetrics:
         self.tokens.inc(tokens)
         self.prefix_tokens.inc(prefix_tokens)
         self.step_seconds.observe(seconds)
+        if not decoding:
+            self.joining_seconds.inc(seconds)
         self.queue_depth.set(queue_depth)
         self._policy = policy  # its tau and tokens/forward are read when /metrics is scraped (render)
         if decoding and getattr(policy, "cost", None) is None:  # a policy that keeps no costs: the last step's
