@@ -7,8 +7,7 @@ the lossless mode), ``mars_step_cost_seconds{batch, window}`` (the measured deco
 adaptive policy decides on; window: the widest row's slots, 1, w at a tau < 1, 2w-1 in the lossless
 mode at block size w), ``mars_tokens_per_forward{tau}`` (tau="lossless" for the lossless mode,
 "lossless:w" for it at a block size w below the checkpoint's), ``mars_policy_steps_total{arm}``
-(steps by the arm the policy chose: where the adaptive policy spends its time), ``mars_step_cost_drift``
-(the machine's speed now against the one the step costs are kept at: above 1, slower),
+(steps by the arm the policy chose: where the adaptive policy spends its time),
 ``mars_prefix_cache_tokens_total`` (prompt tokens copied from the prefix cache instead of computed),
 counters of requests by status, generated tokens and decoding steps, a step-time histogram,
 ``mars_joining_step_seconds_total`` (the part of it in steps that took new requests' prompts: prefill
@@ -35,8 +34,6 @@ class ServerMetrics:
                               registry=registry)
         self.step_cost = Gauge("mars_step_cost_seconds", "measured seconds per decoding step (moving average)",
                                ["batch", "window"], registry=registry)
-        self.drift = Gauge("mars_step_cost_drift", "seconds a decoding step takes now per second of the kept step "
-                           "costs (above 1: the machine runs slower than when they were measured)", registry=registry)
         self.tokens_per_forward = Gauge("mars_tokens_per_forward", "measured tokens per row and forward at a tau",
                                         ["tau"], registry=registry)
         self.requests = Counter("mars_requests", "finished HTTP generation requests", ["status"], registry=registry)
@@ -91,10 +88,8 @@ class ServerMetrics:
                 value = policy.tokens_per_forward(tau)  # the estimate the policy decides on
                 if value is not None:
                     self.tokens_per_forward.labels(_arm_label(tau)).set(value)
-            speed = getattr(policy, "speed", 1.0)
-            self.drift.set(speed)
-            for (rows, slots), seconds in list(getattr(policy, "cost", {}).items()):  # the medians it decides on,
-                self.step_cost.labels(str(rows), str(slots)).set(seconds * speed)  # in seconds at today's speed
+            for (rows, slots), seconds in list(getattr(policy, "cost", {}).items()):  # the medians it decides on
+                self.step_cost.labels(str(rows), str(slots)).set(seconds)
         return generate_latest(self.registry)
 
 

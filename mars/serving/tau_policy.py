@@ -57,17 +57,6 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   tokens/forward at 4 and 16 streams, 1.53-1.55 against 1.70-1.74, for a cheaper step; more at one
   stream, where a wrong third draft costs a step without drafts). Moving between lossless widths keeps a
   row's drafts (a narrower row verifies what it has).
-* step costs are kept in the machine's speed at the time they were measured, not in raw seconds: a shared
-  CPU slows down and speeds up as a whole (on a 2-core cloud VM the same cell moved by 40% within a
-  minute), and a window the policy is not settled in is measured only when it is explored. Compared raw,
-  a candidate measured in a fast minute beats the settled arm measured now, in a slow one (on the default
-  profile's toy at one stream, a log of the policy's moves showed it leave the lossless mode at B for
-  block size 2, 20% slower there, when B's fresh steps read 1.6 ms against 1.1 ms for block size 2
-  measured 90 steps earlier, before the machine slowed; one benchmark run spent 41% of its steps there).
-  So ``speed`` tracks the drift (the median, over the settled arm's last ``cost_samples`` steps, of each
-  step's seconds over its cell's cost) and every sample is filed divided by it; :meth:`step_cost`
-  multiplies back. Only the settled arm's steps move ``speed``: an explored arm's samples are what is
-  measured against it. A real change in one arm's cost is found by the explorations.
 
 Unmeasured candidates are tried first, and every ``explore_every``-th decision re-measures the candidate
 measured longest ago (of those predicted within ``explore_within`` of the best; one further behind only
@@ -205,9 +194,7 @@ class AdaptiveTau:
         # lossless mode from a tau above `enter_margin`
         self.switch_margin, self.enter_margin = switch_margin, enter_margin
         self._settled: Arm = LOSSLESS if lossless else taus.default  # the last choice that was not an exploration
-        self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step at speed 1 (median)
-        self.speed = 1.0  # the machine's drift: seconds now per second of `cost` (see the module docstring)
-        self._drift: deque[float] = deque(maxlen=cost_samples)  # the settled arm's last steps: seconds / cell
+        self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
         self._recent: dict[tuple[int, int], deque] = {}
         self._model: tuple[tuple[float, float, float] | None, set[int]] | None = None  # see _cost_model
         # the model is refitted after `refit_every` new samples, not each one: medians move slowly, and a fit
@@ -241,15 +228,13 @@ class AdaptiveTau:
         ``seconds`` (None: a step with a joining prompt, whose cost is not a decoding step's);
         ``accepted[arm] = (tokens, rows)`` for the rows at each tau and in the lossless mode."""
         if seconds is not None:
-            if self._phase == "settled" and self._well_measured(batch, slots):
-                self._drift.append(seconds / self.cost[(batch, slots)])
-                self.speed = _median(self._drift)
             recent = self._recent.get((batch, slots))
             if recent is None:  # a new cell: a window the model may not know yet
                 recent = self._recent[(batch, slots)] = deque(maxlen=self.cost_samples)
                 self._model = None
-            recent.append(seconds / self.speed)
-            self.cost[(batch, slots)] = _median(recent)
+            recent.append(seconds)
+            ordered, mid = sorted(recent), len(recent) // 2  # the median (statistics.median is ~3x slower)
+            self.cost[(batch, slots)] = ordered[mid] if len(recent) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
             self._unfitted += 1
             if self._unfitted >= self.refit_every:
                 self._model = None
@@ -349,15 +334,15 @@ class AdaptiveTau:
         off the whole record rather than one noisy sample; None while the window was never measured.
         ``modelled``: the model even for a well-measured cell (see :meth:`_scores`)."""
         if not modelled and self._well_measured(batch, slots):
-            return self.cost[(batch, slots)] * self.speed
+            return self.cost[(batch, slots)]
         shape, windows = self._cost_model()
         if slots not in windows:
             return None
         if shape is None:  # too few cells for a shape: the window's nearest batch size as measured
             near = min((abs(b - batch), b) for b, w in self.cost if w == slots)[1]
-            return self.cost[(near, slots)] * self.speed
+            return self.cost[(near, slots)]
         a, c, d = shape
-        return (a + c * batch + d * batch * slots) * self.speed
+        return a + c * batch + d * batch * slots
 
     def _well_measured(self, batch: int, slots: int) -> bool:
         recent = self._recent.get((batch, slots))
@@ -507,11 +492,6 @@ class AdaptiveTau:
         # re-measuring the settled arm is a settled step (it brackets the next exploration)
         self.arm, self._phase = arm, "explore" if explore and arm != self._settled else "settled"
         return arm
-
-
-def _median(values: deque[float]) -> float:
-    ordered, mid = sorted(values), len(values) // 2  # statistics.median is ~3x slower, and this runs every step
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _shape(cells: list[tuple[int, int, float, int]]) -> tuple[float, float, float] | None:
