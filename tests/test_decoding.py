@@ -11,7 +11,7 @@ from conftest import periodic, tiny_model, train_to_draft
 from mars.cli.generate import main as generate_cli
 from mars.decoding.loop import CachedBatch, DecodeRow, GenerationResult, accept, generate
 from mars.errors import MarsError
-from mars.decoding.torch_backend import RowCache, TorchBackend
+from mars.decoding.torch_backend import RowCache, TorchBackend, AttentionGroups
 
 VOCAB, MASK, EOS, B = 96, 95, 63, 4
 EOS_OF = {"llama": EOS, "qwen2": 85}  # a token each random model emits for some prompts and not others
@@ -173,11 +173,16 @@ def test_row_cache_keeps_rows_contiguous_and_grows_without_losing_entries():
     assert cache.length.tolist() == [2] and cache.keys[0][0, 0, :2, 0].tolist() == [4, 9]
 
 
-@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager")])
-def test_lean_forward_gives_the_models_own_logits_on_ragged_windows(arch, attn):
+@pytest.mark.parametrize("arch,attn,split", [("llama", "sdpa", False), ("qwen2", "sdpa", False),
+                                             ("llama", "eager", False), ("llama", "sdpa", True),
+                                             ("llama", "eager", True)])
+def test_lean_forward_gives_the_models_own_logits_on_ragged_windows(arch, attn, split, monkeypatch):
     """Rows 0-2 decode (a token + 3 masks each, read at different offsets); row 3 just took a finished
     row's place, so its window is a whole new prompt: the lean forward computes only what each row
-    reads (ragged), the model's own forward computes every entry of the padded window."""
+    reads (ragged), the model's own forward computes every entry of the padded window. ``split``: the
+    new prompt's row attends in a call of its own (here it saves too few queries to by default)."""
+    if split:
+        monkeypatch.setattr(AttentionGroups, "MIN_SAVED", 0)
     model = mars_model(arch, attn)
     lean, generic = TorchBackend(model), TorchBackend(model, lean=False)
     assert lean.lean and not generic.lean
@@ -205,6 +210,26 @@ def test_lean_forward_gives_the_models_own_logits_on_ragged_windows(arch, attn):
         assert got.shape == ref.shape == (4, 4, VOCAB)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_a_few_far_wider_rows_attend_in_a_call_of_their_own():
+    needed = torch.tensor([3, 62, 3, 3, 1, 3, 3, 3])  # a new prompt beside decoding rows
+    where = (torch.arange(62)[None, :] < needed[:, None]).nonzero(as_tuple=True)
+    allowed = torch.ones(8, 62, 70, dtype=torch.bool)
+    groups = AttentionGroups(needed, where, allowed, lambda a: a)
+    assert [(None if rows is None else rows.tolist(), width) for rows, width, *_ in groups.groups] == \
+        [(None, 3), ([1], 62)]  # 8 x 3 + 62 queries instead of 8 x 62
+    # attention is per row: packed queries come back packed, each from its own group
+    q = torch.randn(int(needed.sum()), 2, 4)
+    keys = torch.randn(8, 2, 70, 4)
+
+    def attend(q_, k_, v_, mask):  # [rows, heads, W, d] -> [rows, W, heads, d]: a query's own value
+        return q_.transpose(1, 2) * 1.0
+
+    assert torch.equal(groups.attend(attend, q, keys, keys), q.reshape(q.shape[0], -1))
+    close = torch.tensor([3, 7, 3, 3, 1, 3, 3, 3])  # widths close together: one call
+    where = (torch.arange(7)[None, :] < close[:, None]).nonzero(as_tuple=True)
+    assert len(AttentionGroups(close, where, allowed[:, :7], lambda a: a).groups) == 1
 
 
 def test_lean_forward_is_for_llama_and_qwen2_only():

@@ -18,8 +18,12 @@ the layers with three savings that do not change a single operation on a used to
 
 * **ragged windows**: a row only needs its window up to the last slot it reads (the decoder pads rows
   up to the widest row, a new prompt's for instance); when that skips at least half of the window,
-  entries past it are not computed at all. The
-  per-token work (projections, MLP) runs on the packed tokens; attention runs on the padded layout.
+  entries past it are not computed at all. The per-token work (projections, MLP) runs on the packed
+  tokens; attention runs on a padded layout per group of rows (:class:`AttentionGroups`): where a few
+  rows are far wider than the rest (a new prompt joining a decoding batch), those rows attend in their
+  own call at their width and the others at theirs. In one padded call every row would carry the
+  prompt's width of queries: on SmolLM2 in bf16, a 62-token prompt joining 15 rows decoding 3-token
+  windows cost 200 ms a step that way, against 71 ms for the 16 decoding rows and 37 ms for the prompt alone.
 * **LM head at read positions only**: the final norm and LM head see ``[rows, slots]`` hidden states,
   not ``[rows, W]``.
 * no mask building, no cache bookkeeping and no output capturing of the generic model forward.
@@ -214,14 +218,18 @@ class TorchBackend:
         if not self.lean:
             return self._generic(ids, positions, read, logits)
         b, width = ids.shape
-        where = None  # (row, window index) of the entries computed, row by row; None: every entry
+        where = groups = None  # (row, window index) of the entries computed, row by row; None: every entry
         if read is not None and width > 1:
             needed = read.amax(1) + 1  # a row's entries past its last read slot are trailing masks
             # Packing costs a few gathers per layer: it pays when it skips most of the window (a new
             # prompt next to short decoding windows), not for the odd trailing mask.
             if 2 * int(needed.sum()) <= b * width:
                 where = (torch.arange(width, device=ids.device)[None, :] < needed[:, None]).nonzero(as_tuple=True)
-        mask = _attention_mask(self.model, self.cache.window(width, where))
+        allowed = self.cache.window(width, where)
+        if where is None:
+            mask = _attention_mask(self.model, allowed)
+        else:
+            groups = AttentionGroups(needed, where, allowed, lambda a: _attention_mask(self.model, a))
         base = self.model.model
         if where is None:
             h = base.embed_tokens(ids.reshape(-1))
@@ -240,13 +248,14 @@ class TorchBackend:
             v = attn.v_proj(x).view(n, -1, self.head_dim)
             q, k = self._rope(q, k, cos, sin)  # [N, heads, d] with cos [N, d]: unsqueeze_dim=1 broadcasts
             keys, values = self.cache.write(layer_idx, k, v)
-            if where is None:
-                q = q.view(b, width, -1, self.head_dim)
+            if groups is None:
+                out, _ = self._attend(attn, q.view(b, width, -1, self.head_dim).transpose(1, 2), keys, values, mask,
+                                      dropout=0.0, scaling=attn.scaling)
+                out = out.reshape(n, -1)
             else:
-                q = q.new_zeros(b, width, q.shape[1], self.head_dim).index_put_(where, q)
-            out, _ = self._attend(attn, q.transpose(1, 2), keys, values, mask, dropout=0.0, scaling=attn.scaling)
-            out = out.reshape(b, width, -1) if where is None else out.reshape(b, width, -1)[where]  # [.., heads*d]
-            h = h + attn.o_proj(out.reshape(n, -1))
+                out = groups.attend(lambda q_, k_, v_, m_: self._attend(attn, q_, k_, v_, m_, dropout=0.0,
+                                                                         scaling=attn.scaling)[0], q, keys, values)
+            h = h + attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         if not logits:
             return None
@@ -268,3 +277,60 @@ class TorchBackend:
         if not logits or read is None:
             return out.logits
         return out.logits[torch.arange(b, device=ids.device)[:, None], read - first]
+
+
+class AttentionGroups:
+    """Attention of a packed ragged window in one or two padded calls: every row at the width the narrow
+    rows need, and the few far wider rows (new prompts) again at theirs. Splitting pays when it drops
+    most of the padded queries; two calls per layer cost more than one where the widths are close (a
+    lossless row's 7 slots beside tau = 1 rows' 1), so those stay one group.
+
+    ``needed [b]``: entries each row computes; ``where``: their (row, window index), row by row, which is
+    the packed order; ``allowed [b, W, span]``: the window's attention mask; ``to_mask``: the model's form
+    of a boolean mask."""
+
+    MIN_SAVED = 64  # padded queries a split must save, below which the second call costs more than it saves
+
+    def __init__(self, needed: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor], allowed: torch.Tensor, to_mask):
+        b, width = allowed.shape[0], allowed.shape[1]
+        self.rows, self.slots = where
+        self.n = self.rows.shape[0]
+        ordered = needed.sort(descending=True).values.tolist()
+        # m widest rows apart: b x (the (m+1)-th widest) queries for all rows, m x width for the wide ones
+        cost, m = min((b * ordered[m] + m * ordered[0], m) for m in range(b))
+        narrow_width = ordered[m]
+        if b * ordered[0] - cost < max(self.MIN_SAVED, b * ordered[0] // 4):
+            m, narrow_width = 0, width
+        self.groups = []  # (rows or None for all, width, mask, packed entries or None for all, their row, slot)
+        if m == 0:
+            self.groups.append((None, width, to_mask(allowed), None, self.rows, self.slots))
+            return
+        wide = needed > narrow_width
+        in_wide = wide[self.rows]
+        narrow_sel = (~in_wide).nonzero()[:, 0]
+        self.groups.append((None, narrow_width, to_mask(allowed[:, :narrow_width]), narrow_sel,
+                            self.rows[narrow_sel], self.slots[narrow_sel]))
+        wide_rows = wide.nonzero()[:, 0]
+        local = torch.full((b,), -1, dtype=torch.long, device=needed.device)
+        local[wide_rows] = torch.arange(wide_rows.shape[0], device=needed.device)
+        wide_sel = in_wide.nonzero()[:, 0]
+        self.groups.append((wide_rows, width, to_mask(allowed[wide_rows]), wide_sel,
+                            local[self.rows[wide_sel]], self.slots[wide_sel]))
+
+    def attend(self, attend, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``q [N, heads, d]`` packed -> the attention output ``[N, heads x d]`` packed; ``attend(q, k, v,
+        mask)`` is the model's attention on ``q [rows, heads, W, d]``, returning ``[rows, W, heads, d]``."""
+        heads, d = q.shape[1], q.shape[2]
+        out = None
+        for rows, width, mask, sel, row, slot in self.groups:
+            count = keys.shape[0] if rows is None else rows.shape[0]
+            mine = q if sel is None else q[sel]
+            padded = q.new_zeros(count, width, heads, d).index_put_((row, slot), mine)
+            k, v = (keys, values) if rows is None else (keys[rows], values[rows])
+            got = attend(padded.transpose(1, 2), k, v, mask)[row, slot].reshape(-1, heads * d)
+            if sel is None:
+                return got
+            if out is None:
+                out = got.new_empty(self.n, heads * d)
+            out[sel] = got
+        return out
