@@ -457,7 +457,7 @@ def test_a_step_with_the_drafts_of_another_lossless_width_is_not_counted_as_the_
             self.arm = next(self.arms)
             return self.arm
 
-        def observe(self, batch, slots, seconds, accepted):
+        def observe(self, batch, slots, seconds, accepted, prompt_tokens=0):
             self.seen.append((self.arm, accepted))
 
     policy = Scripted()
@@ -606,6 +606,7 @@ def test_adaptive_server_decodes_unnamed_taus_between_the_floor_and_one(release,
                 assert o.choices[0].message.content == alone(release, PROMPTS[i % 4], 1.0, 32).text
         text = httpx.get(adaptive.url + "/metrics").text
         assert 'window="1"' in text and f'window="{B}"' in text  # it measured both windows
+        assert "mars_prompt_token_cost_seconds{" in text  # and what joining prompts cost beside them
         assert 0.5 <= adaptive.metric("mars_tau_in_use") <= 1.0
         by_arm = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith("mars_policy_steps_total{")}  # where the policy spent its steps

@@ -119,21 +119,48 @@ def test_a_thinly_measured_step_cost_is_read_off_one_cost_model_over_every_windo
     assert noisy.step_cost(16, 7) == pytest.approx(true(16, 7), rel=0.08)  # the shared shape does not
 
 
-def drive(policy: AdaptiveTau, steps: int, difficulty, gain: dict, cost: dict, rows: int = 10) -> list:
+def drive(policy: AdaptiveTau, steps: int, difficulty, gain: dict, cost: dict, rows: int = 10,
+          prompts: tuple[int, int] | None = None, prompt_cost: dict | None = None) -> list:
     """``steps`` engine steps at ``rows`` rows: a step at arm a yields difficulty(step) x gain[a] tokens a
     row (tau = 1: one), and costs cost[slots]; a move into the lossless mode or to another lossless width
-    yields no counted step (the engine leaves its step with the old arm's drafts out). Returns the arm of
-    every step that was not an exploration."""
-    arms, before = [], None
+    yields no counted step (the engine leaves its step with the old arm's drafts out). ``prompts = (P, L)``:
+    a request of P prompt tokens joins for every L tokens generated, costing prompt_cost[slots] a prompt
+    token on top of its step. Returns the arm of every step that was not an exploration."""
+    arms, before, owed = [], None, 0.0
     for step in range(steps):
         arm = policy.choose([], rows, B)
         exploring = policy._phase == "explore"
         tpf = 1.0 if arm == 1.0 else difficulty(step) * gain[arm]
         moved = arm in (LOSSLESS, NARROW) and before != arm
-        policy.observe(rows, slots(arm), cost[slots(arm)], {} if moved else {arm: (round(tpf * rows), rows)})
+        joining = 0
+        if prompts and owed >= prompts[1]:
+            joining, owed = prompts[0], owed - prompts[1]
+        seconds = cost[slots(arm)] + joining * (prompt_cost or {}).get(slots(arm), 0.0)
+        tokens = round(tpf * rows)
+        policy.observe(rows, slots(arm), seconds, {} if moved else {arm: (tokens, rows)}, joining)
+        owed += tokens
         arms += [] if exploring else [arm]
         before = arm
     return arms
+
+
+def test_the_prompts_joining_beside_a_window_count_in_its_cost():
+    """At 16 rows the decoding steps alone favour lossless at block size 2 (1.6 tokens a row per 15 ms
+    against tau = 1's one per 10 ms: 7% ahead). But two 60-token prompts join for every 50 tokens generated,
+    and a prompt token costs 0.4 ms beside 1-slot windows and 0.5 ms beside 3-slot ones: per generated
+    token tau = 1 then takes 0.625 + 2.4 x 0.4 = 1.585 ms, block size 2 0.586 + 2.4 x 0.5 = 1.786 ms."""
+    gain = {LOSSLESS: 1.9, NARROW: 1.6, 0.9: 1.3}
+    cost = {1: 0.010, 3: 0.015, B: 0.0175, 7: 0.025}  # 7.5 ms and 2.5 ms a slot
+    per_prompt_token = {1: 0.0004, 3: 0.0005, B: 0.0006, 7: 0.0007}
+    decoding_only, with_prompts = (AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True) for _ in range(2))
+    drive(decoding_only, 800, lambda step: 1.0, gain, cost, rows=16)
+    arms = drive(with_prompts, 800, lambda step: 1.0, gain, cost, rows=16, prompts=(120, 50),
+                 prompt_cost=per_prompt_token)
+    assert decoding_only.best([], 16, B) == NARROW
+    assert with_prompts.best([], 16, B) == 1.0
+    assert arms[-300:].count(1.0) > 280
+    assert with_prompts.prompt_cost(1) == pytest.approx(60 / 25 * 0.0004, rel=0.05)
+    assert with_prompts.prompt_cost(3) == pytest.approx(60 / 25 * 0.0005, rel=0.05)
 
 
 def test_tokens_per_forward_is_compared_on_the_same_requests_not_across_time():

@@ -244,10 +244,11 @@ class Engine:
                 continue
             entry = accepted.setdefault(row_arm, [0, 0])
             entry[0], entry[1] = entry[0] + len(u.new_tokens), entry[1] + 1
-        decoding = not joining  # a joining row's first window is its whole prompt: not a decoding step's cost
-        self.policy.observe(rows, slots, seconds if decoding else None, {t: tuple(v) for t, v in accepted.items()})
+        # a joining row's first window is its prompt (less the prefix copied in): the policy weighs it apart
+        prompt_tokens = sum(len(r.prompt) for r in joining) - hits * len(batch.prefix)
+        self.policy.observe(rows, slots, seconds, {t: tuple(v) for t, v in accepted.items()}, prompt_tokens)
         if self.metrics is not None:
-            self.metrics.step(rows, slots, seconds, decoding, sum(len(u.new_tokens) for u in updates),
+            self.metrics.step(rows, slots, seconds, not joining, sum(len(u.new_tokens) for u in updates),
                               self.policy, self.queue_depth, arm, prefix_tokens=hits * len(batch.prefix))
 
     def _fail_all(self, error: Exception, waiting: bool = True) -> None:
