@@ -231,6 +231,7 @@ class AdaptiveTau:
         self.decisions = 0
         self.arm: Arm = taus.default  # the last choice
         self._exploring: tuple[Arm, int] | None = None  # (arm, steps left)
+        self._extended = 0  # steps the exploration under way was lengthened by (steps that took prompts)
 
     @property
     def tau(self) -> float:
@@ -250,6 +251,12 @@ class AdaptiveTau:
                 recent = self._prompt_recent.setdefault(slots, deque(maxlen=self.cost_samples))
                 recent.append(max(seconds - base, 0.0) / prompt_tokens)
                 self.prompt_token_cost[slots] = _median(recent)
+            if self._phase == "explore" and self._extended < self.explore_steps:
+                # a step that took prompts measured no decoding step: explore one more (over HTTP at 16 streams
+                # most steps take one, and SmolLM2's 16-row 1-slot cell went unmeasured through 500 steps)
+                self._extended += 1
+                arm, left = self._exploring or (self.arm, 0)
+                self._exploring = (arm, left + 1)
         else:
             recent = self._recent.get((batch, slots))
             if recent is None:  # a new cell: a window the model may not know yet
@@ -528,6 +535,7 @@ class AdaptiveTau:
         # drafts (none, or another width's), and the engine does not count it
         steps = length + (is_lossless(arm) and arm != self._settled)
         self._exploring = (arm, steps - 1) if steps > 1 else None
+        self._extended = 0
         self._close_bracket()
         if paired:  # the settled arm's last `length` steps, then as many after
             before = [0, 0]
