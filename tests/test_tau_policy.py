@@ -205,6 +205,24 @@ def test_an_exploration_lasts_long_enough_to_pair_a_lone_rows_tokens():
     assert explored_steps(NARROW, 1) == 13 and explored_steps(1.0, 1) == 3
 
 
+def test_an_exploration_makes_up_for_steps_that_took_prompts():
+    """A step that took a new request's prompt measures no decoding step: the exploration gets one more step
+    for each (up to ``explore_steps`` more), so that at high load, where most steps take a prompt, every
+    window's decoding cost still gets measured."""
+    def explored(prompt_tokens):
+        policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, explore_every=10 ** 6)
+        policy._explore(1.0, 16)
+        steps = 0
+        while policy.arm == 1.0 and policy._phase == "explore":
+            steps += 1
+            policy.observe(16, 1, 0.010, {}, prompt_tokens)
+            policy.choose([], 16, B)
+        return steps, (16, 1) in policy.cost
+
+    assert explored(0) == (3, True)
+    assert explored(60) == (6, False)  # three more steps, and then it stops: each took a prompt
+
+
 def test_a_batch_that_comes_back_is_not_rescored_before_its_turn():
     """Rows come and go every few steps at a few streams; the choice for each batch is kept for
     ``rescore_every`` decisions, so alternating between two batch sizes scores each once per turn."""
