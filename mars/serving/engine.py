@@ -244,12 +244,13 @@ class Engine:
                 continue
             entry = accepted.setdefault(row_arm, [0, 0])
             entry[0], entry[1] = entry[0] + len(u.new_tokens), entry[1] + 1
+        copied = hits * len(batch.prefix)  # prompt tokens the prefix cache filled in
         # a joining row's first window is its prompt (less the prefix copied in): the policy weighs it apart
-        prompt_tokens = sum(len(r.prompt) for r in joining) - hits * len(batch.prefix)
+        prompt_tokens = sum(len(r.prompt) for r in joining) - copied
         self.policy.observe(rows, slots, seconds, {t: tuple(v) for t, v in accepted.items()}, prompt_tokens)
         if self.metrics is not None:
             self.metrics.step(rows, slots, seconds, not joining, sum(len(u.new_tokens) for u in updates),
-                              self.policy, self.queue_depth, arm, prefix_tokens=hits * len(batch.prefix))
+                              self.policy, self.queue_depth, arm, prefix_tokens=copied)
 
     def _fail_all(self, error: Exception, waiting: bool = True) -> None:
         failed = list(self.handles.values()) + ([handle for _, handle in self.waiting] if waiting else [])
