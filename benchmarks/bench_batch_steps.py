@@ -26,13 +26,15 @@ from bench_serve import held_out  # noqa: E402  (the same requests as the served
 
 from mars.decoding.loop import CachedBatch, DecodeRow  # noqa: E402
 from mars.serving.served_model import load_checkpoint  # noqa: E402
+from mars.serving.tau_policy import arm_block_size, is_lossless  # noqa: E402
 
 
-def setting_row(prompt: list[int], max_tokens: int, setting: str) -> DecodeRow:
-    """``1`` (tau = 1), a tau such as ``0.9``, ``lossless`` (at B) or ``lossless:W``."""
-    if setting.startswith("lossless"):
-        width = int(setting.split(":")[1]) if ":" in setting else None
-        return DecodeRow(prompt, max_tokens, 1.0, lossless=True, block_size=width, stream=True)
+def setting_row(prompt: list[int], max_tokens: int, setting: str, block_size: int) -> DecodeRow:
+    """``1`` (tau = 1), a tau such as ``0.9``, or an arm of the lossless mode as the tau policy names it
+    (``lossless`` at B, ``lossless:W``)."""
+    if is_lossless(setting):
+        return DecodeRow(prompt, max_tokens, 1.0, lossless=True, block_size=arm_block_size(setting, block_size),
+                         stream=True)
     return DecodeRow(prompt, max_tokens, float(setting), stream=True)
 
 
@@ -43,7 +45,7 @@ def closed_loop(model, items: list[dict], setting: str, streams: int, requests: 
     sent = done = live = tokens = 0
     started = time.perf_counter()
     while done < requests:
-        joining = [setting_row(items[(sent + i) % len(items)]["prompt"], max_tokens, setting)
+        joining = [setting_row(items[(sent + i) % len(items)]["prompt"], max_tokens, setting, model.block_size)
                    for i in range(min(streams - live, requests - sent))]
         sent, live = sent + len(joining), live + len(joining)
         step_started = time.perf_counter()
