@@ -182,6 +182,19 @@ def test_tokens_per_forward_is_compared_on_the_same_requests_not_across_time():
     assert policy.tokens_per_forward(0.9) == pytest.approx(3.0, rel=0.05)
 
 
+def test_no_arm_is_estimated_below_one_token_a_row():
+    """Every step gives a row its slot-0 token whatever the arm. Here tau = 0.9 was paired with the lossless
+    mode on easy requests (a third of its tokens), and the requests turned hard (the lossless mode's drafts
+    all fail): scaled by that ratio, tau = 0.9 would read a third of a token a row."""
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(),
+                         explore_every=10 ** 6)
+    drive(policy, 60, lambda step: 3.0 if step < 30 else 1.0, {LOSSLESS: 1.0, 0.9: 1 / 3},
+          {1: 0.010, B: 0.011, 2 * B - 1: 0.011})
+    assert policy._ratio(0.9, LOSSLESS) == pytest.approx(1 / 3, rel=0.05)
+    assert policy.tokens_per_forward(LOSSLESS) == pytest.approx(1.0)
+    assert policy.tokens_per_forward(0.9) == 1.0
+
+
 def test_the_paired_ratio_is_one_number_whichever_arm_was_explored():
     policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(),
                          explore_every=10 ** 6)
@@ -260,6 +273,24 @@ def test_the_policy_leaves_the_lossless_mode_for_a_tau_only_on_enough_paired_row
 
     (careful, evidence), (trusting, _) = first_move(), first_move(pair_trust=0)
     assert evidence >= 48 and careful > trusting
+
+
+def test_an_arm_ahead_on_too_few_paired_row_steps_is_paired_sooner_than_the_regular_turn():
+    """tau = 0.9 yields 30% more than the lossless mode where the policy starts. Waiting for the regular
+    turn (every ``explore_every`` decisions) it gathers the paired row-steps it needs to move over a
+    thousand decisions; pairing at once, explorations ``pair_gap`` lengths apart, in a few hundred, with
+    at most a quarter of the steps spent exploring meanwhile."""
+    gain, cost = {LOSSLESS: 1.0, 0.9: 1.3}, {1: 0.010, B: 0.010, 2 * B - 1: 0.010}
+
+    def settled_at_floor(**kw):
+        policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(),
+                             explore_every=300, **kw)
+        arms = drive(policy, 400, lambda step: 3.0, gain, cost, rows=1)
+        return arms.count(0.9) / len(arms), 1 - len(arms) / 400
+
+    (sooner, exploring), (at_turn, _) = settled_at_floor(), settled_at_floor(pair_gap=10 ** 6)
+    assert sooner > 0.4 and at_turn == 0.0, (sooner, at_turn)
+    assert exploring < 0.3
 
 
 def test_a_candidate_far_behind_the_best_is_re_measured_only_now_and_then():

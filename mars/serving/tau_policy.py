@@ -69,7 +69,9 @@ Unmeasured candidates are tried first, and every ``explore_every``-th decision r
 measured longest ago (of those predicted within ``explore_within`` of the best; one further behind only
 every ``explore_far_every`` decisions), so the estimates follow the load. An exploration lasts
 ``explore_steps`` steps, or ``explore_rows`` row-steps where it pairs arms (12 steps of a lone row: see
-:meth:`AdaptiveTau._explore`).
+:meth:`AdaptiveTau._explore`). An arm predicted ahead of the settled one by the margin, but on fewer
+than ``pair_trust`` paired row-steps, is explored at once and again every ``pair_gap`` exploration lengths
+until the pairs are trusted: waiting for the regular turn, a short load ends before the policy may move.
 A step cost measured only a few times at this batch size is read off a cost model fitted over every
 measured cell (a fixed part, a part per row and a part per token forwarded: :meth:`AdaptiveTau.step_cost`):
 under a changing load most batch sizes are visited for a step or two.
@@ -169,7 +171,7 @@ class AdaptiveTau:
                  cell_samples: int = 5, explore_steps: int = 3, explore_rows: int = 12,
                  explore_every: int = 150, explore_within: float = 0.2, explore_far_every: int = 600,
                  rescore_every: int = 8, refit_every: int = 16, switch_margin: float = 0.05,
-                 enter_margin: float = 0.01,
+                 enter_margin: float = 0.01, pair_gap: int = 4,
                  flow_steps: int = 512, candidates: Sequence[float] | None = None, lossless: bool = False,
                  lossless_block_sizes: Sequence[int] = (2,)):
         self.taus = taus
@@ -185,6 +187,13 @@ class AdaptiveTau:
         # mode's ratio to tau = 0.9 as 1.05-1.6 (1.29 decoded side by side), and the policy spent 21% of its
         # steps at tau = 0.9, 20% slower there
         self.pair_trust = pair_trust
+        # an arm predicted ahead of the settled one by the margin on fewer paired row-steps is paired at once,
+        # explorations `pair_gap` exploration lengths apart (at most a 1/pair_gap share of the steps) rather
+        # than at the regular turn: at one row trust takes four 12-step explorations, and on the default
+        # profile's toy the regular turn (every `explore_every` decisions, 150) had the policy in the lossless
+        # mode through whole bench_serve levels while it predicted tau = 0.9 46% ahead
+        self.pair_gap = pair_gap
+        self._explored_at = -pair_gap * max(explore_steps, explore_rows)  # the decision of the last exploration
         self._accepted: dict[Arm, tuple[deque, list[int]]] = {}
         self.explore_steps, self.explore_rows, self.explore_every = explore_steps, explore_rows, explore_every
         # a candidate predicted more than `explore_within` behind the best is re-measured only every
@@ -356,7 +365,9 @@ class AdaptiveTau:
         """The estimate decisions use: tau = 1 yields exactly 1; another arm, the policy rows' last
         ``tpf_samples`` row-steps (whatever arm they ran at) with each arm's tokens scaled by its paired
         ratio to ``arm``: what ``arm`` would have yielded on the latest requests. While ``arm`` has no ratio
-        to the arms of those steps: its own window."""
+        to the arms of those steps: its own window. Never below one: every step gives a row its slot-0 token
+        whatever the arm, and a ratio read on easy requests scaled onto hard ones can say less (in-process on
+        SmolLM2 at one stream tau = 0.9 read 0.91)."""
         if arm == 1.0:
             return 1.0
         tokens = rows = 0.0
@@ -364,7 +375,7 @@ class AdaptiveTau:
             ratio = 1.0 if other == arm else self._ratio(arm, other)
             if ratio is not None and other_rows:
                 tokens, rows = tokens + other_tokens * ratio, rows + other_rows
-        return tokens / rows if rows else self.tpf.get(arm)
+        return max(tokens / rows, 1.0) if rows else self.tpf.get(arm)
 
     def _ratio(self, arm: Arm, base: Arm) -> float | None:
         """tokens/forward at ``arm`` over that at ``base``, on the same rows at the same time."""
@@ -506,14 +517,18 @@ class AdaptiveTau:
             near = [a for a in open_ if scores[a] >= scores[best] * (1 - self.explore_within)
                     or self.decisions - self.last_seen.get(a, -1) >= self.explore_far_every]
             return self._explore(min(near, key=lambda a: self.last_seen.get(a, -1)), policy_rows)
-        if best != settled and 1.0 not in (best, settled) and not self._trusted(best, settled):
-            best = settled  # too few paired row-steps yet to say which yields more
         if best != settled and settled in scores:
             now = scores[settled]
             # into the lossless mode from a tau: it costs no score, only the move's step without drafts
             margin = self.enter_margin if is_lossless(best) and not is_lossless(settled) else self.switch_margin
             if now and scores[best] < now * (1 + margin):
                 best = settled
+        if best != settled and 1.0 not in (best, settled) and not self._trusted(best, settled):
+            # ahead, but on too few paired row-steps yet to say which yields more: pair them sooner
+            if self.decisions - self._explored_at >= self.pair_gap * self._explore_length(best, policy_rows):
+                self._scored.clear()
+                return self._explore(best, policy_rows)
+            best = settled
         self._scored[batch] = (best, self.decisions)
         self._settled = best
         return self._use(best)
@@ -529,13 +544,14 @@ class AdaptiveTau:
         ``explore_rows`` row-steps where it is paired (a ratio from a handful of a lone row's tokens is
         noise: on the default profile's toy at one stream, 3-step explorations had it settle in the
         lossless mode's block size 2, 21% slower there than B, for a third of its steps)."""
-        paired = arm != self._settled and arm != 1.0  # tau = 1's tokens/forward is known: nothing to pair
-        length = max(self.explore_steps, -(-self.explore_rows // max(rows, 1))) if paired else self.explore_steps
+        paired = arm != self._settled and arm != 1.0
+        length = self._explore_length(arm, rows)
         # a move into the lossless mode or to another lossless width: its first step has the old arm's
         # drafts (none, or another width's), and the engine does not count it
         steps = length + (is_lossless(arm) and arm != self._settled)
         self._exploring = (arm, steps - 1) if steps > 1 else None
         self._extended = 0
+        self._explored_at = self.decisions
         self._close_bracket()
         if paired:  # the settled arm's last `length` steps, then as many after
             before = [0, 0]
@@ -544,6 +560,12 @@ class AdaptiveTau:
                     before[0], before[1] = before[0] + tokens, before[1] + step_rows
             self._bracket = _Bracket(arm, self._settled, [0, 0], before, length)
         return self._use(arm, explore=True)
+
+    def _explore_length(self, arm: Arm, rows: int) -> int:
+        """Steps an exploration of ``arm`` at ``rows`` policy rows lasts (before a move's uncounted step)."""
+        if arm == self._settled or arm == 1.0:  # nothing to pair: tau = 1's tokens/forward is known
+            return self.explore_steps
+        return max(self.explore_steps, -(-self.explore_rows // max(rows, 1)))
 
     def _use(self, arm: Arm, explore: bool = False) -> Arm:
         self.last_seen[arm] = self.decisions
