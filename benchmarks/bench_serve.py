@@ -188,6 +188,30 @@ def summarize(results: list[dict], seconds: float, items: list[dict]) -> dict:
             "tokens_per_forward": tokens / forwards if forwards else 0.0, "score": statistics.fmean(scores)}
 
 
+def load_levels(levels: str, bursty: str, per_stream: int) -> list[tuple[str, list[tuple[int, int]]]]:
+    """``(name, phases)`` per level: each steady level of ``levels`` (STREAMS, with ``per_stream`` requests a
+    stream, or STREAMS:REQUESTS) one phase, then the ``bursty`` trace (STREAMS:REQUESTS phases; '' for none)."""
+    out = []
+    for level in levels.split(","):
+        try:
+            streams, requests = (int(v) for v in level.split(":")) if ":" in level else (int(level), 0)
+        except ValueError:
+            raise ValueError(f"--levels: {level!r} is not STREAMS or STREAMS:REQUESTS") from None
+        requests = requests or streams * per_stream
+        if streams < 1 or requests < 1:
+            raise ValueError(f"--levels: {level!r}: streams and requests must be >= 1")
+        out.append((f"{streams} stream{'s' if streams > 1 else ''}", [(streams, requests)]))
+    if bursty:
+        try:
+            trace = [(int(a), int(b)) for a, b in (phase.split(":") for phase in bursty.split(","))]
+        except ValueError:
+            raise ValueError(f"--bursty: {bursty!r} is not STREAMS:REQUESTS,STREAMS:REQUESTS,...") from None
+        if any(streams < 1 or requests < 1 for streams, requests in trace):
+            raise ValueError(f"--bursty: {bursty!r}: streams and requests must be >= 1")
+        out.append((f"bursty {bursty}", trace))
+    return out
+
+
 def held_out(data_dir: str, n: int) -> list[dict]:
     from mars.training import data
 
@@ -247,17 +271,10 @@ def main(argv: list[str] | None = None) -> int:
                 *([("lossless fixed", "fixed", 1.0, 1.0, "lossless", None)] if args.lossless else []),
                 *((f"lossless w={w} fixed", "fixed", 1.0, 1.0, "lossless", w) for w in narrow),
                 ("adaptive", "adaptive", args.fixed_tau, floor, "tau", None)]
-    levels = []
-    for level in args.levels.split(","):
-        try:
-            streams, requests = (int(v) for v in level.split(":")) if ":" in level else (int(level), 0)
-        except ValueError:
-            parser.error(f"--levels: {level!r} is not STREAMS or STREAMS:REQUESTS")
-        requests = requests or streams * args.per_stream
-        levels.append((f"{streams} stream{'s' if streams > 1 else ''}", [(streams, requests)]))
-    if args.bursty:
-        trace = [tuple(int(v) for v in phase.split(":")) for phase in args.bursty.split(",")]
-        levels.append((f"bursty {args.bursty}", trace))
+    try:
+        levels = load_levels(args.levels, args.bursty, args.per_stream)
+    except ValueError as err:
+        parser.error(str(err))
     table: dict[str, dict[str, dict]] = {name: {} for name, _ in levels}
     # All servers up at once, the policies taking turns at each level: a neighbour's load on a shared
     # machine then hits them alike rather than whichever ran at the time.

@@ -63,7 +63,7 @@ class ServerMetrics:
         that named no tau (None: there were none)."""
         self.steps.inc()
         if arm is not None:
-            self.policy_steps.labels(_arm_label(arm)).inc()
+            self.policy_steps.labels(arm_label(arm)).inc()
         self.tokens.inc(tokens)
         self.prefix_tokens.inc(prefix_tokens)
         self.step_seconds.observe(seconds)
@@ -92,7 +92,7 @@ class ServerMetrics:
             for tau in list(getattr(policy, "tpf", ())):  # a copy: the engine thread writes it
                 value = policy.tokens_per_forward(tau)  # the estimate the policy decides on
                 if value is not None:
-                    self.tokens_per_forward.labels(_arm_label(tau)).set(value)
+                    self.tokens_per_forward.labels(arm_label(tau)).set(value)
             for (rows, slots), seconds in list(getattr(policy, "cost", {}).items()):  # the medians it decides on
                 self.step_cost.labels(str(rows), str(slots)).set(seconds)
             for slots, seconds in list(getattr(policy, "prompt_token_cost", {}).items()):
@@ -100,6 +100,6 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def _arm_label(arm) -> str:
+def arm_label(arm) -> str:
     """A tau as Prometheus label text ("0.9", "1"), or "lossless"."""
     return arm if isinstance(arm, str) else f"{arm:g}"
