@@ -264,7 +264,7 @@ def test_the_policy_leaves_the_lossless_mode_for_a_tau_only_on_enough_paired_row
 
         def watched(arm, explore=False):
             if arm == 0.9 and not explore and not moves:
-                moves.append((policy.decisions, min(policy._pairs[(LOSSLESS, 0.9)][1][1::2])))
+                moves.append((policy.decisions, min(policy._pairs[(LOSSLESS, 0.9)].total[1::2])))
             return use(arm, explore)
 
         policy._use = watched

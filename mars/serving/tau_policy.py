@@ -81,7 +81,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 
@@ -194,7 +194,7 @@ class AdaptiveTau:
         # mode through whole bench_serve levels while it predicted tau = 0.9 46% ahead
         self.pair_gap = pair_gap
         self._explored_at = -pair_gap * max(explore_steps, explore_rows)  # the decision of the last exploration
-        self._accepted: dict[Arm, tuple[deque, list[int]]] = {}
+        self._accepted: dict[Arm, SlidingSums] = {}  # arm -> (tokens, rows) of its own last row-steps
         self.explore_steps, self.explore_rows, self.explore_every = explore_steps, explore_rows, explore_every
         # a candidate predicted more than `explore_within` behind the best is re-measured only every
         # `explore_far_every` decisions: on SmolLM2 at 16 streams a 3-step exploration of the lossless mode at
@@ -218,23 +218,20 @@ class AdaptiveTau:
         self.prompt_token_cost: dict[int, float] = {}
         self._prompt_recent: dict[int, deque] = {}
         self.flow_steps = flow_steps
-        self._flow: deque[tuple[int, int]] = deque()
-        self._flow_sums = [0, 0]
+        self._flow = SlidingSums(2, lambda sums, steps: steps >= self.flow_steps)  # (prompt tokens, generated) a step
         self._model: tuple[tuple[float, float, float] | None, set[int]] | None = None  # see _cost_model
         # the model is refitted after `refit_every` new samples, not each one: medians move slowly, and a fit
         # (least squares over every cell) is most of a decision's time on a small model
         self.refit_every, self._unfitted = refit_every, 0
         self.tpf: dict[Arm, float] = {1.0: 1.0}  # arm -> tokens per row and forward in its own window
-        # paired ratios (see the module docstring): (arm a, arm b) -> ([(a tokens, a rows, b tokens, b rows)]
-        # per exploration of one beside the other, their sums); the settled arm's last steps; the open bracket
-        self._pairs: dict[tuple[Arm, Arm], tuple[deque, list[int]]] = {}
+        # paired ratios (see the module docstring): (arm a, arm b) -> (a tokens, a rows, b tokens, b rows) per
+        # exploration of one beside the other
+        self._pairs: dict[tuple[Arm, Arm], SlidingSums] = {}
         # the settled arm's last steps, (arm, tokens, rows): an exploration's steps before
         self._settled_steps: deque[tuple[Arm, int, int]] = deque(maxlen=max(explore_steps, explore_rows))
         self._bracket: _Bracket | None = None
-        # the policy rows' last row-steps at any arm but tau = 1: (arm, tokens, rows), and sums per arm
-        self._level: deque[tuple[Arm, int, int]] = deque()
-        self._level_sums: dict[Arm, list[int]] = {}
-        self._level_rows = 0
+        # the policy rows' last row-steps at any arm but tau = 1: (tokens, rows), by arm
+        self._level = SlidingSums(2, self._holds_tpf_samples)
         self._phase: str | None = None  # "explore" or "settled": what the step being taken is
         self.last_seen: dict[Arm, int] = {}  # decision count when each candidate last ran
         self.decisions = 0
@@ -253,7 +250,7 @@ class AdaptiveTau:
         """One iteration of ``batch`` rows reading ``slots`` slots each (2B-1: some row is lossless) took
         ``seconds``; ``prompt_tokens``: the joining prompts' tokens it forwarded (0: a decoding step);
         ``accepted[arm] = (tokens, rows)`` for the rows at each tau and in the lossless mode."""
-        self._file_flow(prompt_tokens, sum(tokens for tokens, _ in accepted.values()))
+        self._flow.add((prompt_tokens, sum(tokens for tokens, _ in accepted.values())))
         if prompt_tokens:  # what the prompts cost beyond the decoding step they joined (see prompt_cost)
             base = self.step_cost(batch, slots)
             if base is not None:
@@ -267,33 +264,27 @@ class AdaptiveTau:
                 arm, left = self._exploring or (self.arm, 0)
                 self._exploring = (arm, left + 1)
         else:
-            recent = self._recent.get((batch, slots))
-            if recent is None:  # a new cell: a window the model may not know yet
-                recent = self._recent[(batch, slots)] = deque(maxlen=self.cost_samples)
-                self._model = None
-            recent.append(seconds)
-            self.cost[(batch, slots)] = _median(recent)
-            self._unfitted += 1
-            if self._unfitted >= self.refit_every:
-                self._model = None
+            self._file_cost(batch, slots, seconds)
         for arm, (tokens, rows) in accepted.items():
             if rows and arm != 1.0 and arm in self.candidates:  # a request's own tau is not a candidate
-                window, sums = self._accepted.setdefault(arm, (deque(), [0, 0]))  # sums: tokens, rows in it
-                window.append((tokens, rows))
-                sums[0], sums[1] = sums[0] + tokens, sums[1] + rows
-                while sums[1] - window[0][1] >= self.tpf_samples:
-                    old_tokens, old_rows = window.popleft()
-                    sums[0], sums[1] = sums[0] - old_tokens, sums[1] - old_rows
-                self.tpf[arm] = sums[0] / sums[1]
+                window = self._accepted.setdefault(arm, SlidingSums(2, self._holds_tpf_samples))
+                window.add((tokens, rows))
+                self.tpf[arm] = window.total[0] / window.total[1]
         self._pair(accepted.get(self.arm))
 
-    def _file_flow(self, prompt_tokens: int, generated: int) -> None:
-        flow, sums = self._flow, self._flow_sums
-        flow.append((prompt_tokens, generated))
-        sums[0], sums[1] = sums[0] + prompt_tokens, sums[1] + generated
-        if len(flow) > self.flow_steps:
-            old_prompt, old_generated = flow.popleft()
-            sums[0], sums[1] = sums[0] - old_prompt, sums[1] - old_generated
+    def _file_cost(self, batch: int, slots: int, seconds: float) -> None:
+        recent = self._recent.get((batch, slots))
+        if recent is None:  # a new cell: a window the model may not know yet
+            recent = self._recent[(batch, slots)] = deque(maxlen=self.cost_samples)
+            self._model = None
+        recent.append(seconds)
+        self.cost[(batch, slots)] = _median(recent)
+        self._unfitted += 1
+        if self._unfitted >= self.refit_every:
+            self._model = None
+
+    def _holds_tpf_samples(self, sums: list[int], steps: int) -> bool:
+        return sums[1] >= self.tpf_samples  # sums: (tokens, rows)
 
     def prompt_cost(self, slots: int) -> float:
         """Seconds of joining prompts per generated token while the batch decodes ``slots``-wide windows: the
@@ -303,7 +294,7 @@ class AdaptiveTau:
         arm, but not at the same price: beside wider windows it costs more (SmolLM2 in bf16 on a 2-core
         CPU, 16 rows: ~0.44 ms a prompt token beside 1-slot windows, ~0.55 ms beside the 3-slot windows of
         lossless at block size 2), and at 16 streams half the steps take a prompt."""
-        prompt, generated = self._flow_sums
+        prompt, generated = self._flow.total
         if not prompt or not generated or not self.prompt_token_cost:
             return 0.0
         known = self.prompt_token_cost
@@ -318,7 +309,7 @@ class AdaptiveTau:
             return
         step = step if step and step[1] else None
         if step and self.arm != 1.0:  # tau = 1 yields one token whatever the request: nothing to learn
-            self._file_level(self.arm, *step)
+            self._level.add(step, key=self.arm)
         bracket = self._bracket
         if phase == "explore":
             if bracket is not None and bracket.arm == self.arm and step:
@@ -338,28 +329,14 @@ class AdaptiveTau:
             if bracket.after_left <= 0:
                 self._close_bracket()
 
-    def _file_level(self, arm: Arm, tokens: int, rows: int) -> None:
-        self._level.append((arm, tokens, rows))
-        self._level_rows += rows
-        sums = self._level_sums.setdefault(arm, [0, 0])
-        sums[0], sums[1] = sums[0] + tokens, sums[1] + rows
-        while self._level_rows - self._level[0][2] >= self.tpf_samples:
-            old_arm, old_tokens, old_rows = self._level.popleft()
-            self._level_rows -= old_rows
-            sums = self._level_sums[old_arm]
-            sums[0], sums[1] = sums[0] - old_tokens, sums[1] - old_rows
-
     def _close_bracket(self) -> None:
         bracket, self._bracket = self._bracket, None
         if bracket is None or not bracket.during[1] or not bracket.base[1]:
             return
         key = _pair_key(bracket.arm, bracket.settled)
         record = (*bracket.during, *bracket.base) if key[0] == bracket.arm else (*bracket.base, *bracket.during)
-        pool, sums = self._pairs.setdefault(key, (deque(), [0, 0, 0, 0]))
-        pool.append(record)
-        sums[:] = [a + b for a, b in zip(sums, record)]
-        while min(sums[1] - pool[0][1], sums[3] - pool[0][3]) >= self.pair_samples:
-            sums[:] = [a - b for a, b in zip(sums, pool.popleft())]
+        pool = self._pairs.setdefault(key, SlidingSums(4, lambda sums, steps: min(sums[1], sums[3]) >= self.pair_samples))
+        pool.add(record)
 
     def tokens_per_forward(self, arm: Arm) -> float | None:
         """The estimate decisions use: tau = 1 yields exactly 1; another arm, the policy rows' last
@@ -371,7 +348,7 @@ class AdaptiveTau:
         if arm == 1.0:
             return 1.0
         tokens = rows = 0.0
-        for other, (other_tokens, other_rows) in list(self._level_sums.items()):  # /metrics reads it too
+        for other, (other_tokens, other_rows) in list(self._level.by_key.items()):  # /metrics reads it too
             ratio = 1.0 if other == arm else self._ratio(arm, other)
             if ratio is not None and other_rows:
                 tokens, rows = tokens + other_tokens * ratio, rows + other_rows
@@ -382,7 +359,7 @@ class AdaptiveTau:
         key = _pair_key(arm, base)
         if key not in self._pairs:
             return None
-        a_tokens, a_rows, b_tokens, b_rows = self._pairs[key][1]
+        a_tokens, a_rows, b_tokens, b_rows = self._pairs[key].total
         if not a_tokens or not b_tokens:  # rows that stopped at once (a stop token first): no ratio yet
             return None
         ratio = (a_tokens / a_rows) / (b_tokens / b_rows)
@@ -391,7 +368,7 @@ class AdaptiveTau:
     def _trusted(self, arm: Arm, base: Arm) -> bool:
         """Whether the explorations pairing ``arm`` with ``base`` hold ``pair_trust`` row-steps of each."""
         pool = self._pairs.get(_pair_key(arm, base))
-        return self.pair_trust <= 0 or (pool is not None and min(pool[1][1], pool[1][3]) >= self.pair_trust)
+        return self.pair_trust <= 0 or (pool is not None and min(pool.total[1], pool.total[3]) >= self.pair_trust)
 
     def step_cost(self, batch: int, slots: int, modelled: bool = False) -> float | None:
         """The cell's median once it holds ``cell_samples`` samples (unless ``modelled``); else the cost model
@@ -572,6 +549,36 @@ class AdaptiveTau:
         # re-measuring the settled arm is a settled step (it brackets the next exploration)
         self.arm, self._phase = arm, "explore" if explore and arm != self._settled else "settled"
         return arm
+
+
+class SlidingSums:
+    """Running sums of the latest records (tuples of counts), in total and by key: the oldest record leaves
+    while the others still hold enough (``enough(their sums, their count)``), so an add costs O(1) amortized
+    however long the window."""
+
+    def __init__(self, width: int, enough: Callable[[list, int], bool]):
+        self.width, self.enough = width, enough
+        self.records: deque[tuple[object, tuple]] = deque()
+        self.total: list = [0] * width
+        self.by_key: dict[object, list] = {}
+
+    def add(self, record: tuple, key: object = None) -> None:
+        self.records.append((key, record))
+        self.total = _plus(self.total, record)
+        self.by_key[key] = _plus(self.by_key.get(key, [0] * self.width), record)
+        while self.records:
+            old_key, old = self.records[0]
+            rest = _plus(self.total, old, -1)
+            if not self.enough(rest, len(self.records) - 1):
+                break
+            self.records.popleft()
+            self.total = rest
+            self.by_key[old_key] = _plus(self.by_key[old_key], old, -1)
+
+
+def _plus(sums: list, record: tuple, sign: int = 1) -> list:
+    """A new list (readers on another thread may hold the old one): ``sums + sign x record``, by position."""
+    return [a + sign * b for a, b in zip(sums, record)]
 
 
 def _median(values: deque) -> float:
