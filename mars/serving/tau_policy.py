@@ -257,6 +257,12 @@ class AdaptiveTau:
                 recent = self._prompt_recent.setdefault(slots, deque(maxlen=self.cost_samples))
                 recent.append(max(seconds - base, 0.0) / prompt_tokens)
                 self.prompt_token_cost[slots] = _median(recent)
+            else:
+                # A window never measured decoding alone: where every step takes a prompt (short answers at
+                # many streams) none ever is, and the policy explored it for good. Its cost starts from this
+                # whole step, and the next prompts beside it are priced against that: each step's parts add
+                # up to what it took (a later decoding step corrects the split).
+                self._file_cost(batch, slots, seconds)
             if self._phase == "explore" and self._extended < self.explore_steps:
                 # a step that took prompts measured no decoding step: explore one more (over HTTP at 16 streams
                 # most steps take one, and SmolLM2's 16-row 1-slot cell went unmeasured through 500 steps)
