@@ -230,18 +230,19 @@ def test_an_exploration_makes_up_for_steps_that_took_prompts():
             steps += 1
             policy.observe(16, 1, 0.010, {}, prompt_tokens)
             policy.choose([], 16, B)
-        return steps
+        return steps, (16, 1) in policy.cost
 
-    assert explored(0) == 3
-    assert explored(60) == 6  # three more steps, and then it stops: each took a prompt
+    assert explored(0) == (3, True)
+    assert explored(60) == (6, False)  # three more steps, and then it stops: each took a prompt
 
 
 def test_where_every_step_takes_a_prompt_each_window_is_priced_by_its_whole_steps():
     """Short answers at many streams: a request joins at every step, so no window is ever measured decoding
-    alone. A window's cost then starts from a whole step (prompt included) and its prompts are priced
-    against that; the policy settles on the arm with the most tokens per whole step (here lossless at
-    block size 2: 25.6 tokens in 45 ms, against tau = 1's 16 in 34, the lossless mode's 30.4 in 67 and
-    tau = 0.9's 20.8 in 53.5) instead of exploring the first window it cannot measure for good."""
+    alone. After an exploration's worth of such steps a window is priced by its whole steps (prompt
+    included, no prompt charged on top), and the policy settles on the arm with the most tokens per whole
+    step (here lossless at block size 2: 25.6 tokens in 45 ms, against tau = 1's 16 in 34, the lossless
+    mode's 30.4 in 67 and tau = 0.9's 20.8 in 53.5) instead of exploring the first window it cannot measure
+    for good. Where decoding steps come too, they price the window, and its whole steps are set aside."""
     gain = {LOSSLESS: 1.9, NARROW: 1.6, 0.9: 1.3}
     cost = {1: 0.010, 3: 0.015, B: 0.0175, 7: 0.025}
     per_prompt_token = {1: 0.0004, 3: 0.0005, B: 0.0006, 7: 0.0007}
@@ -249,6 +250,14 @@ def test_where_every_step_takes_a_prompt_each_window_is_priced_by_its_whole_step
     arms = drive(policy, 800, lambda step: 1.0, gain, cost, rows=16, prompts=(60, 10), prompt_cost=per_prompt_token)
     assert len(arms) > 700  # settled, not exploring
     assert arms[-300:].count(NARROW) > 280
+    # then requests get longer: about every other step decodes alone, and prompts are priced beside
+    # decoding steps (against whole steps they would read ~0, and the prompts decide the arm here: see
+    # test_the_prompts_joining_beside_a_window_count_in_its_cost)
+    policy.explore_every = 20  # a new load: re-measure soon
+    arms = drive(policy, 1200, lambda step: 1.0, gain, cost, rows=16, prompts=(120, 50), prompt_cost=per_prompt_token)
+    assert policy.prompt_token_cost[1] == pytest.approx(0.0004, rel=0.05)
+    assert policy.prompt_token_cost[3] == pytest.approx(0.0005, rel=0.05)
+    assert arms[-300:].count(1.0) > 250
 
 
 def test_a_batch_that_comes_back_is_not_rescored_before_its_turn():

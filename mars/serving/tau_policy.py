@@ -213,6 +213,7 @@ class AdaptiveTau:
         self._settled: Arm = LOSSLESS if lossless else taus.default  # the last choice that was not an exploration
         self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
         self._recent: dict[tuple[int, int], deque] = {}
+        self._whole: dict[tuple[int, int], deque] = {}  # the same, of steps that took prompts (see _whole_step_cost)
         # slots -> seconds per joining prompt token beyond the step it joined (median of recent), and the
         # traffic's prompt tokens per generated token over the last `flow_steps` steps (see prompt_cost)
         self.prompt_token_cost: dict[int, float] = {}
@@ -252,17 +253,12 @@ class AdaptiveTau:
         ``accepted[arm] = (tokens, rows)`` for the rows at each tau and in the lossless mode."""
         self._flow.add((prompt_tokens, sum(tokens for tokens, _ in accepted.values())))
         if prompt_tokens:  # what the prompts cost beyond the decoding step they joined (see prompt_cost)
-            base = self.step_cost(batch, slots)
-            if base is not None:
+            if slots in self._cost_model()[1]:
                 recent = self._prompt_recent.setdefault(slots, deque(maxlen=self.cost_samples))
-                recent.append(max(seconds - base, 0.0) / prompt_tokens)
+                recent.append(max(seconds - self.step_cost(batch, slots), 0.0) / prompt_tokens)
                 self.prompt_token_cost[slots] = _median(recent)
-            else:
-                # A window never measured decoding alone: where every step takes a prompt (short answers at
-                # many streams) none ever is, and the policy explored it for good. Its cost starts from this
-                # whole step, and the next prompts beside it are priced against that: each step's parts add
-                # up to what it took (a later decoding step corrects the split).
-                self._file_cost(batch, slots, seconds)
+            else:  # a window not measured decoding alone yet: the whole step (see _whole_step_cost)
+                self._whole.setdefault((batch, slots), deque(maxlen=self.cost_samples)).append(seconds)
             if self._phase == "explore" and self._extended < self.explore_steps:
                 # a step that took prompts measured no decoding step: explore one more (over HTTP at 16 streams
                 # most steps take one, and SmolLM2's 16-row 1-slot cell went unmeasured through 500 steps)
@@ -270,24 +266,21 @@ class AdaptiveTau:
                 arm, left = self._exploring or (self.arm, 0)
                 self._exploring = (arm, left + 1)
         else:
-            self._file_cost(batch, slots, seconds)
+            recent = self._recent.get((batch, slots))
+            if recent is None:  # a new cell: a window the model may not know yet
+                recent = self._recent[(batch, slots)] = deque(maxlen=self.cost_samples)
+                self._model = None
+            recent.append(seconds)
+            self.cost[(batch, slots)] = _median(recent)
+            self._unfitted += 1
+            if self._unfitted >= self.refit_every:
+                self._model = None
         for arm, (tokens, rows) in accepted.items():
             if rows and arm != 1.0 and arm in self.candidates:  # a request's own tau is not a candidate
                 window = self._accepted.setdefault(arm, SlidingSums(2, self._holds_tpf_samples))
                 window.add((tokens, rows))
                 self.tpf[arm] = window.total[0] / window.total[1]
         self._pair(accepted.get(self.arm))
-
-    def _file_cost(self, batch: int, slots: int, seconds: float) -> None:
-        recent = self._recent.get((batch, slots))
-        if recent is None:  # a new cell: a window the model may not know yet
-            recent = self._recent[(batch, slots)] = deque(maxlen=self.cost_samples)
-            self._model = None
-        recent.append(seconds)
-        self.cost[(batch, slots)] = _median(recent)
-        self._unfitted += 1
-        if self._unfitted >= self.refit_every:
-            self._model = None
 
     def _holds_tpf_samples(self, sums: list[int], steps: int) -> bool:
         return sums[1] >= self.tpf_samples  # sums: (tokens, rows)
@@ -385,12 +378,25 @@ class AdaptiveTau:
             return self.cost[(batch, slots)]
         shape, windows = self._cost_model()
         if slots not in windows:
-            return None
+            return self._whole_step_cost(batch, slots)
         if shape is None:  # too few cells for a shape: the window's nearest batch size as measured
             near = min((abs(b - batch), b) for b, w in self.cost if w == slots)[1]
             return self.cost[(near, slots)]
         a, c, d = shape
         return a + c * batch + d * batch * slots
+
+    def _whole_step_cost(self, batch: int, slots: int) -> float | None:
+        """A window never measured decoding alone, priced by its whole steps (prompts included) once an
+        exploration's worth of them (2 x ``explore_steps``) says no decoding step is coming: where every
+        step takes a prompt (short answers at many streams) none ever does, and waiting for one, the policy
+        explored the first such window for good (driven at 16 rows with a prompt joining each step: 797 of
+        800 steps). Apart from the decoding cells, and no prompt charged on top (:meth:`predict`): a prompt
+        priced against a whole step would read ~0 and, once the window is measured alone, undercharge it.
+        None while fewer."""
+        cells = {b: recent for (b, w), recent in self._whole.items() if w == slots}
+        if sum(len(recent) for recent in cells.values()) < 2 * self.explore_steps:
+            return None
+        return _median(cells[min(cells, key=lambda b: (abs(b - batch), b))])
 
     def _well_measured(self, batch: int, slots: int) -> bool:
         recent = self._recent.get((batch, slots))
@@ -433,7 +439,9 @@ class AdaptiveTau:
             return None
         named = sum(self._tpf_near(t) for t in fixed_taus) + lossless_rows * (self.tokens_per_forward(LOSSLESS) or 1.0)
         generated = policy_rows * tpf + named
-        return generated / (cost + generated * self.prompt_cost(slots))
+        # a window priced by whole steps holds its prompts already (see _whole_step_cost)
+        charge = self.prompt_cost(slots) if slots in self._cost_model()[1] else 0.0
+        return generated / (cost + generated * charge)
 
     @staticmethod
     def _window(arm: Arm, fixed_taus: Sequence[float], block_size: int, lossless_rows: int) -> int:
