@@ -250,6 +250,9 @@ def test_where_every_step_takes_a_prompt_each_window_is_priced_by_its_whole_step
     arms = drive(policy, 800, lambda step: 1.0, gain, cost, rows=16, prompts=(60, 10), prompt_cost=per_prompt_token)
     assert len(arms) > 700  # settled, not exploring
     assert arms[-300:].count(NARROW) > 280
+    # whole steps are kept apart: the decoding cells and the prompt prices hold only what decoding steps
+    # measured (the first step, before any request joined, at the lossless mode's 7 slots)
+    assert set(policy.cost) == {(16, 2 * B - 1)} and set(policy.prompt_token_cost) <= {2 * B - 1}
     # then requests get longer: about every other step decodes alone, and prompts are priced beside
     # decoding steps (against whole steps they would read ~0, and the prompts decide the arm here: see
     # test_the_prompts_joining_beside_a_window_count_in_its_cost)
@@ -302,8 +305,9 @@ def test_the_policy_leaves_the_lossless_mode_for_a_tau_only_on_enough_paired_row
 def test_an_arm_ahead_on_too_few_paired_row_steps_is_paired_sooner_than_the_regular_turn():
     """tau = 0.9 yields 30% more than the lossless mode where the policy starts. Waiting for the regular
     turn (every ``explore_every`` decisions) it gathers the paired row-steps it needs to move over a
-    thousand decisions; pairing at once, explorations ``pair_gap`` lengths apart, in a few hundred, with
-    at most a quarter of the steps spent exploring meanwhile."""
+    thousand decisions; pairing at once, each exploration ``pair_gap`` lengths after the last ended, in a
+    few hundred, with about a fifth of the steps spent exploring meanwhile (and the step each move back
+    into the lossless mode costs)."""
     gain, cost = {LOSSLESS: 1.0, 0.9: 1.3}, {1: 0.010, B: 0.010, 2 * B - 1: 0.010}
 
     def settled_at_floor(**kw):
@@ -315,6 +319,16 @@ def test_an_arm_ahead_on_too_few_paired_row_steps_is_paired_sooner_than_the_regu
     (sooner, exploring), (at_turn, _) = settled_at_floor(), settled_at_floor(pair_gap=10 ** 6)
     assert sooner > 0.4 and at_turn == 0.0, (sooner, at_turn)
     assert exploring < 0.3
+
+
+def test_a_sampling_row_never_gets_the_lossless_mode_however_the_policy_is_settled():
+    """The lossless mode is greedy. Settled there, with tau = 0.9 ahead but not yet trusted, a batch whose
+    policy rows sample gets a tau: the trust rule keeps the settled arm only where the batch can take it."""
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(),
+                         explore_every=10 ** 6, pair_trust=10 ** 6)
+    drive(policy, 60, lambda step: 1.0, {LOSSLESS: 1.0, 0.9: 1.5}, {1: 0.010, B: 0.010, 2 * B - 1: 0.010}, rows=4)
+    assert policy._settled == LOSSLESS and not policy._trusted(0.9, LOSSLESS)
+    assert [policy.choose([], 4, B, greedy=False) for _ in range(20)] == [0.9] * 20
 
 
 def test_a_candidate_far_behind_the_best_is_re_measured_only_now_and_then():

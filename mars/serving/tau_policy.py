@@ -72,6 +72,8 @@ every ``explore_far_every`` decisions), so the estimates follow the load. An exp
 :meth:`AdaptiveTau._explore`). An arm predicted ahead of the settled one by the margin, but on fewer
 than ``pair_trust`` paired row-steps, is explored at once and again every ``pair_gap`` exploration lengths
 until the pairs are trusted: waiting for the regular turn, a short load ends before the policy may move.
+Where every step takes a prompt (short answers at many streams) no window is measured decoding alone; after
+an exploration's worth of such steps a window is priced by its whole steps (:meth:`AdaptiveTau._whole_step_cost`).
 A step cost measured only a few times at this batch size is read off a cost model fitted over every
 measured cell (a fixed part, a part per row and a part per token forwarded: :meth:`AdaptiveTau.step_cost`):
 under a changing load most batch sizes are visited for a step or two.
@@ -188,12 +190,12 @@ class AdaptiveTau:
         # steps at tau = 0.9, 20% slower there
         self.pair_trust = pair_trust
         # an arm predicted ahead of the settled one by the margin on fewer paired row-steps is paired at once,
-        # explorations `pair_gap` exploration lengths apart (at most a 1/pair_gap share of the steps) rather
-        # than at the regular turn: at one row trust takes four 12-step explorations, and on the default
-        # profile's toy the regular turn (every `explore_every` decisions, 150) had the policy in the lossless
-        # mode through whole bench_serve levels while it predicted tau = 0.9 46% ahead
+        # then again `pair_gap` exploration lengths after each exploration ends, rather than at the regular
+        # turn: at one row trust takes four 12-step explorations, and on the default profile's toy the regular
+        # turn (every `explore_every` decisions, 150) had the policy in the lossless mode through whole
+        # bench_serve levels while it predicted tau = 0.9 46% ahead
         self.pair_gap = pair_gap
-        self._explored_at = -pair_gap * max(explore_steps, explore_rows)  # the decision of the last exploration
+        self._explored_at = -pair_gap * max(explore_steps, explore_rows)  # the decision the last exploration ended
         self._accepted: dict[Arm, SlidingSums] = {}  # arm -> (tokens, rows) of its own last row-steps
         self.explore_steps, self.explore_rows, self.explore_every = explore_steps, explore_rows, explore_every
         # a candidate predicted more than `explore_within` behind the best is re-measured only every
@@ -277,7 +279,9 @@ class AdaptiveTau:
                 self._model = None
         for arm, (tokens, rows) in accepted.items():
             if rows and arm != 1.0 and arm in self.candidates:  # a request's own tau is not a candidate
-                window = self._accepted.setdefault(arm, SlidingSums(2, self._holds_tpf_samples))
+                window = self._accepted.get(arm)
+                if window is None:
+                    window = self._accepted[arm] = SlidingSums(2, self._holds_tpf_samples)
                 window.add((tokens, rows))
                 self.tpf[arm] = window.total[0] / window.total[1]
         self._pair(accepted.get(self.arm))
@@ -334,7 +338,9 @@ class AdaptiveTau:
             return
         key = _pair_key(bracket.arm, bracket.settled)
         record = (*bracket.during, *bracket.base) if key[0] == bracket.arm else (*bracket.base, *bracket.during)
-        pool = self._pairs.setdefault(key, SlidingSums(4, lambda sums, steps: min(sums[1], sums[3]) >= self.pair_samples))
+        pool = self._pairs.get(key)
+        if pool is None:
+            pool = self._pairs[key] = SlidingSums(4, lambda sums, steps: min(sums[1], sums[3]) >= self.pair_samples)
         pool.add(record)
 
     def tokens_per_forward(self, arm: Arm) -> float | None:
@@ -351,7 +357,8 @@ class AdaptiveTau:
             ratio = 1.0 if other == arm else self._ratio(arm, other)
             if ratio is not None and other_rows:
                 tokens, rows = tokens + other_tokens * ratio, rows + other_rows
-        return max(tokens / rows, 1.0) if rows else self.tpf.get(arm)
+        own = tokens / rows if rows else self.tpf.get(arm)
+        return None if own is None else max(own, 1.0)
 
     def _ratio(self, arm: Arm, base: Arm) -> float | None:
         """tokens/forward at ``arm`` over that at ``base``, on the same rows at the same time."""
@@ -372,7 +379,8 @@ class AdaptiveTau:
     def step_cost(self, batch: int, slots: int, modelled: bool = False) -> float | None:
         """The cell's median once it holds ``cell_samples`` samples (unless ``modelled``); else the cost model
         (:meth:`_cost_model`), so that a batch size visited for a step or two (a load passing by) is read
-        off the whole record rather than one noisy sample; None while the window was never measured.
+        off the whole record rather than one noisy sample; a window never measured decoding alone, its whole
+        steps (:meth:`_whole_step_cost`), else None.
         ``modelled``: the model even for a well-measured cell (see :meth:`_scores`)."""
         if not modelled and self._well_measured(batch, slots):
             return self.cost[(batch, slots)]
@@ -392,7 +400,8 @@ class AdaptiveTau:
         explored the first such window for good (driven at 16 rows with a prompt joining each step: 797 of
         800 steps). Apart from the decoding cells, and no prompt charged on top (:meth:`predict`): a prompt
         priced against a whole step would read ~0 and, once the window is measured alone, undercharge it.
-        None while fewer."""
+        None while fewer. Rough where only some steps take prompts (a whole step carries a join, the other
+        windows only the traffic's average share): it stands only until the window's first decoding step."""
         cells = {b: recent for (b, w), recent in self._whole.items() if w == slots}
         if sum(len(recent) for recent in cells.values()) < 2 * self.explore_steps:
             return None
@@ -489,8 +498,10 @@ class AdaptiveTau:
             arm, left = self._exploring
             self._exploring = (arm, left - 1) if left > 1 else None
             if arm in open_:
+                if self._exploring is None:
+                    self._explored_at = self.decisions
                 return self._use(arm, explore=True)
-            self._exploring = None
+            self._exploring, self._explored_at = None, self.decisions
         settled = self._settled
         batch = (policy_rows, tuple(fixed_taus), lossless_rows, greedy, settled)
         due = self.decisions % self.explore_every == 0
@@ -514,8 +525,9 @@ class AdaptiveTau:
             margin = self.enter_margin if is_lossless(best) and not is_lossless(settled) else self.switch_margin
             if now and scores[best] < now * (1 + margin):
                 best = settled
-        if best != settled and 1.0 not in (best, settled) and not self._trusted(best, settled):
-            # ahead, but on too few paired row-steps yet to say which yields more: pair them sooner
+        if best != settled and settled in scores and 1.0 not in (best, settled) and not self._trusted(best, settled):
+            # ahead, but on too few paired row-steps yet to say which yields more: pair them sooner (a settled
+            # arm this batch cannot take, the lossless mode while a row samples, is not kept)
             if self.decisions - self._explored_at >= self.pair_gap * self._explore_length(best, policy_rows):
                 self._scored.clear()
                 return self._explore(best, policy_rows)
@@ -535,16 +547,16 @@ class AdaptiveTau:
         ``explore_rows`` row-steps where it is paired (a ratio from a handful of a lone row's tokens is
         noise: on the default profile's toy at one stream, 3-step explorations had it settle in the
         lossless mode's block size 2, 21% slower there than B, for a third of its steps)."""
-        paired = arm != self._settled and arm != 1.0
         length = self._explore_length(arm, rows)
         # a move into the lossless mode or to another lossless width: its first step has the old arm's
         # drafts (none, or another width's), and the engine does not count it
         steps = length + (is_lossless(arm) and arm != self._settled)
         self._exploring = (arm, steps - 1) if steps > 1 else None
+        if self._exploring is None:
+            self._explored_at = self.decisions
         self._extended = 0
-        self._explored_at = self.decisions
         self._close_bracket()
-        if paired:  # the settled arm's last `length` steps, then as many after
+        if self._paired(arm):  # the settled arm's last `length` steps, then as many after
             before = [0, 0]
             for settled, tokens, step_rows in list(self._settled_steps)[-length:]:
                 if settled == self._settled:
@@ -552,9 +564,13 @@ class AdaptiveTau:
             self._bracket = _Bracket(arm, self._settled, [0, 0], before, length)
         return self._use(arm, explore=True)
 
+    def _paired(self, arm: Arm) -> bool:
+        """Whether an exploration of ``arm`` pairs it with the settled arm (tau = 1's yield is known)."""
+        return arm != self._settled and arm != 1.0
+
     def _explore_length(self, arm: Arm, rows: int) -> int:
         """Steps an exploration of ``arm`` at ``rows`` policy rows lasts (before a move's uncounted step)."""
-        if arm == self._settled or arm == 1.0:  # nothing to pair: tau = 1's tokens/forward is known
+        if not self._paired(arm):
             return self.explore_steps
         return max(self.explore_steps, -(-self.explore_rows // max(rows, 1)))
 
@@ -566,9 +582,9 @@ class AdaptiveTau:
 
 
 class SlidingSums:
-    """Running sums of the latest records (tuples of counts), in total and by key: the oldest record leaves
-    while the others still hold enough (``enough(their sums, their count)``), so an add costs O(1) amortized
-    however long the window."""
+    """Running sums of the latest records (tuples of counts), in total and by key (of keyed records): the
+    oldest record leaves while the others still hold enough (``enough(their sums, their count)``), so an add
+    costs O(1) amortized however long the window."""
 
     def __init__(self, width: int, enough: Callable[[list, int], bool]):
         self.width, self.enough = width, enough
@@ -579,7 +595,8 @@ class SlidingSums:
     def add(self, record: tuple, key: object = None) -> None:
         self.records.append((key, record))
         self.total = _plus(self.total, record)
-        self.by_key[key] = _plus(self.by_key.get(key, [0] * self.width), record)
+        if key is not None:
+            self.by_key[key] = _plus(self.by_key.get(key, [0] * self.width), record)
         while self.records:
             old_key, old = self.records[0]
             rest = _plus(self.total, old, -1)
@@ -587,7 +604,8 @@ class SlidingSums:
                 break
             self.records.popleft()
             self.total = rest
-            self.by_key[old_key] = _plus(self.by_key[old_key], old, -1)
+            if old_key is not None:
+                self.by_key[old_key] = _plus(self.by_key[old_key], old, -1)
 
 
 def _plus(sums: list, record: tuple, sign: int = 1) -> list:
