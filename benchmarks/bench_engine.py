@@ -58,6 +58,10 @@ class StepLog:
         if arm is not None:
             self.arms[arm_label(arm)] += 1
 
+    @property
+    def steps(self) -> int:
+        return self.split["prompt"][0] + self.split["decode"][0]
+
     def snapshot(self) -> tuple[dict, Counter]:
         return {k: list(v) for k, v in self.split.items()}, Counter(self.arms)
 
@@ -71,6 +75,19 @@ class Setting:
     block_size: int | None = None
 
 
+def setting_tau(name: str) -> float | None:
+    """The tau a setting names (``1``, ``0.9``); None for lossless, lossless:W and adaptive."""
+    if name == "adaptive" or is_lossless(name):
+        return None
+    try:
+        tau = float(name)
+    except ValueError:
+        raise SystemExit(f"--settings: {name!r} is not 1, a tau, lossless, lossless:W or adaptive") from None
+    if not 0.0 < tau <= 1.0:
+        raise SystemExit(f"--settings: tau {name!r} is outside (0, 1]")
+    return tau
+
+
 def start_setting(name: str, model: ServedModel, floor: float, max_batch: int) -> Setting:
     log = StepLog()
     if name == "adaptive":
@@ -81,18 +98,15 @@ def start_setting(name: str, model: ServedModel, floor: float, max_batch: int) -
         engine = start_engine(dataclasses.replace(model, default_tau=1.0, tau_floor=1.0),
                               ServeConfig(max_batch=max_batch, max_queue=10**6), log)
         return Setting(name, engine, log, "lossless", arm_block_size(name, model.block_size))
-    try:
-        tau = float(name)
-    except ValueError:
-        raise SystemExit(f"--settings: {name!r} is not 1, a tau, lossless, lossless:W or adaptive") from None
+    tau = setting_tau(name)
     served = dataclasses.replace(model, default_tau=tau, tau_floor=tau)
     return Setting(name, start_engine(served, ServeConfig(max_batch=max_batch, max_queue=10**6), log), log)
 
 
-async def run_phases(setting: Setting, items: list[dict], phases: list[tuple[int, int]], offset: int,
-                     max_tokens: int) -> int:
-    """Each phase's requests over its streams, back to back; returns the tokens generated."""
-    loop, generated = asyncio.get_running_loop(), 0
+async def run_phases(setting: Setting, items: list[dict], phases: list[tuple[int, int]], max_tokens: int) -> int:
+    """Each phase's requests over its streams, back to back (the held-out items in turn); returns the tokens
+    generated."""
+    loop, generated, offset = asyncio.get_running_loop(), 0, 0
     for streams, requests in phases:
         queue = list(range(offset, offset + requests))
         offset += requests
@@ -113,16 +127,27 @@ async def run_phases(setting: Setting, items: list[dict], phases: list[tuple[int
 def measure(setting: Setting, items: list[dict], phases: list[tuple[int, int]], max_tokens: int) -> dict:
     split, arms = setting.log.snapshot()
     started = time.perf_counter()
-    tokens = asyncio.run(run_phases(setting, items, phases, 0, max_tokens))
+    tokens = asyncio.run(run_phases(setting, items, phases, max_tokens))
     seconds = time.perf_counter() - started
+    settle(setting)
     after, arms_after = setting.log.snapshot()
-    policy, rows = setting.engine.policy, phases[-1][0]
+    policy, rows = setting.engine.policy, min(phases[-1][0], setting.engine.max_batch)
     # what the adaptive policy predicts for each arm at the last phase's rows (tokens/s; None: unmeasured)
     predicted = {arm_label(arm): policy.predict(arm, [], rows, setting.engine.model.block_size)
                  for arm in getattr(policy, "candidates", ())}
     return {"tokens_per_s": tokens / seconds,
             **{kind: [after[kind][0] - split[kind][0], after[kind][1] - split[kind][1]] for kind in split},
             "arms": dict(arms_after - arms), "predicted": predicted}
+
+
+def settle(setting: Setting) -> None:
+    """Until the engine has filed its last step: it hands a step's tokens out before the policy and the
+    metrics hook see the step, so the last request can finish before its step is counted."""
+    while True:
+        seen = setting.log.steps
+        time.sleep(0.01)
+        if setting.log.steps == seen and not setting.engine.running and not setting.engine.queue_depth:
+            return
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,12 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         levels = load_levels(args.levels, args.bursty, 0)
     except ValueError as err:
         parser.error(str(err))
+    names = args.settings.split(",")
+    for name in names:  # a typo fails here, not after the model loaded
+        setting_tau(name)
     torch.set_num_threads(args.threads)
     model = load_checkpoint(args.model, name="bench", dtype=args.dtype)
     if not model.block_size or model.block_size < 2:
         parser.error(f"--model {args.model}: not a MARS checkpoint")
     items = held_out(args.data, 0)
-    names = args.settings.split(",")
     settings = [start_setting(name, model, args.tau_floor, args.max_batch) for name in names]
     print(f"model {args.model}, {args.dtype}, {args.threads} threads, max_tokens {args.max_tokens}, "
           f"max_batch {args.max_batch}, adaptive range [{args.tau_floor:g}, 1] + lossless, {args.repeats} rounds")
@@ -188,15 +215,16 @@ def report(level: str, rounds: dict[str, list[dict]]) -> None:
         if runs[-1]["predicted"]:
             print(f"  {'':>11}  predicted tok/s after the last round: " + ", ".join(
                 f"{a} {'-' if v is None else f'{v:.0f}'}" for a, v in runs[-1]["predicted"].items()))
-    if "adaptive" not in rounds:
-        return
     fixed = [name for name in rounds if name != "adaptive"]
+    if "adaptive" not in rounds or not fixed:
+        return
     adaptive = [r["tokens_per_s"] for r in rounds["adaptive"]]
     per_round = [a / max(rounds[name][k]["tokens_per_s"] for name in fixed) for k, a in enumerate(adaptive)]
     print(f"  adaptive / best fixed in each round: {', '.join(f'{x:.3f}' for x in per_round)} "
           f"(median {statistics.median(per_round):.3f}x)")
-    if fixed[0] == "1":
-        ratio = [a / rounds["1"][k]["tokens_per_s"] for k, a in enumerate(adaptive)]
+    one = next((name for name in fixed if setting_tau(name) == 1.0), None)
+    if one is not None:
+        ratio = [a / rounds[one][k]["tokens_per_s"] for k, a in enumerate(adaptive)]
         print(f"  adaptive / tau = 1.0 in each round: {', '.join(f'{x:.3f}' for x in ratio)} "
               f"(median {statistics.median(ratio):.3f}x)")
 

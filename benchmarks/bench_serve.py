@@ -193,6 +193,8 @@ def load_levels(levels: str, bursty: str, per_stream: int) -> list[tuple[str, li
     stream, or STREAMS:REQUESTS) one phase, then the ``bursty`` trace (STREAMS:REQUESTS phases; '' for none)."""
     out = []
     for level in levels.split(","):
+        if ":" not in level and per_stream < 1:
+            raise ValueError(f"--levels: {level!r}: give STREAMS:REQUESTS")
         try:
             streams, requests = (int(v) for v in level.split(":")) if ":" in level else (int(level), 0)
         except ValueError:
