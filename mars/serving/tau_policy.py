@@ -70,8 +70,8 @@ measured longest ago (of those predicted within ``explore_within`` of the best; 
 every ``explore_far_every`` decisions), so the estimates follow the load. An exploration lasts
 ``explore_steps`` steps, or ``explore_rows`` row-steps where it pairs arms (12 steps of a lone row: see
 :meth:`AdaptiveTau._explore`). An arm predicted ahead of the settled one by the margin, but on fewer
-than ``pair_trust`` paired row-steps, is explored at once and again every ``pair_gap`` exploration lengths
-until the pairs are trusted: waiting for the regular turn, a short load ends before the policy may move.
+than ``pair_trust`` paired row-steps, is explored at once and again ``pair_gap`` exploration lengths after
+each ends, until the pairs are trusted: waiting for the regular turn, a short load ends before the policy may move.
 Where every step takes a prompt (short answers at many streams) no window is measured decoding alone; after
 an exploration's worth of such steps a window is priced by its whole steps (:meth:`AdaptiveTau._whole_step_cost`).
 A step cost measured only a few times at this batch size is read off a cost model fitted over every
@@ -301,7 +301,7 @@ class AdaptiveTau:
         if not prompt or not generated or not self.prompt_token_cost:
             return 0.0
         known = self.prompt_token_cost
-        per_token = known[slots] if slots in known else known[min(known, key=lambda w: (abs(w - slots), w))]
+        per_token = known[_nearest(known, slots)]
         return prompt / generated * per_token
 
     def _pair(self, step: tuple[int, int] | None) -> None:
@@ -388,8 +388,7 @@ class AdaptiveTau:
         if slots not in windows:
             return self._whole_step_cost(batch, slots)
         if shape is None:  # too few cells for a shape: the window's nearest batch size as measured
-            near = min((abs(b - batch), b) for b, w in self.cost if w == slots)[1]
-            return self.cost[(near, slots)]
+            return self.cost[(_nearest([b for b, w in self.cost if w == slots], batch), slots)]
         a, c, d = shape
         return a + c * batch + d * batch * slots
 
@@ -405,7 +404,7 @@ class AdaptiveTau:
         cells = {b: recent for (b, w), recent in self._whole.items() if w == slots}
         if sum(len(recent) for recent in cells.values()) < 2 * self.explore_steps:
             return None
-        return _median(cells[min(cells, key=lambda b: (abs(b - batch), b))])
+        return _median(cells[_nearest(cells, batch)])
 
     def _well_measured(self, batch: int, slots: int) -> bool:
         recent = self._recent.get((batch, slots))
@@ -611,6 +610,11 @@ class SlidingSums:
 def _plus(sums: list, record: tuple, sign: int = 1) -> list:
     """A new list (readers on another thread may hold the old one): ``sums + sign x record``, by position."""
     return [a + sign * b for a, b in zip(sums, record)]
+
+
+def _nearest(values, target: int) -> int:
+    """The value closest to ``target`` (``target`` itself when present; ties: the smaller)."""
+    return min(values, key=lambda v: (abs(v - target), v))
 
 
 def _median(values: deque) -> float:
