@@ -159,8 +159,8 @@ def test_the_prompts_joining_beside_a_window_count_in_its_cost():
     assert decoding_only.best([], 16, B) == NARROW
     assert with_prompts.best([], 16, B) == 1.0
     assert arms[-300:].count(1.0) > 280
-    assert with_prompts.prompt_cost(1) == pytest.approx(60 / 25 * 0.0004, rel=0.05)
-    assert with_prompts.prompt_cost(3) == pytest.approx(60 / 25 * 0.0005, rel=0.05)
+    assert with_prompts.prompt_cost(16, 1) == pytest.approx(60 / 25 * 0.0004, rel=0.05)
+    assert with_prompts.prompt_cost(16, 3) == pytest.approx(60 / 25 * 0.0005, rel=0.05)
 
 
 def test_tokens_per_forward_is_compared_on_the_same_requests_not_across_time():
@@ -236,6 +236,36 @@ def test_an_exploration_makes_up_for_steps_that_took_prompts():
     assert explored(60) == (6, False)  # three more steps, and then it stops: each took a prompt
 
 
+def test_a_prompt_is_priced_at_the_load_it_joins():
+    """A prompt joining one row rides on a step that streams the weights anyway; beside 16 rows it costs
+    what a 16-row step's tokens cost. Every window measured joining at one stream (0.15 ms a prompt token),
+    at 16 streams only tau = 1's (0.6 ms): there the lossless mode's prompts are charged the 16-row price,
+    and tau = 1 is the best. Per generated token (2.5 prompt tokens each) tau = 1 takes 45 / 16 + 1.5 =
+    4.3 ms and the lossless mode at B 109 / 30 + 1.5 = 5.1 ms; charged the one-stream price, the lossless
+    mode would read 3.6 + 0.4 = 4.0 ms and look the best."""
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, flow_steps=60)
+    gain = {LOSSLESS: 1.85, NARROW: 1.5, 0.9: 1.35, 1.0: 1.0}
+
+    def steps(rows, arms, cost, per_prompt_token, count=40):
+        owed = 0.0
+        for arm in arms:
+            w, tokens = slots(arm), round(gain[arm] * rows)
+            for _ in range(count):  # a 62-token prompt joins for every 25 tokens generated, if it may
+                joining = 62 if per_prompt_token and owed >= 25 else 0
+                owed += tokens - (25 if joining else 0)
+                policy.observe(rows, w, cost[w] + joining * (per_prompt_token or 0), {arm: (tokens, rows)}, joining)
+
+    steps(1, gain, {1: 0.025, 3: 0.026, B: 0.024, 7: 0.023}, 0.00015)
+    heavy = {1: 0.045, 3: 0.076, B: 0.080, 7: 0.109}
+    steps(16, [LOSSLESS, NARROW, 0.9], heavy, None, count=5)  # decoding steps only
+    steps(16, [1.0], heavy, 0.0006, count=80)
+    assert policy.prompt_token_cost[(1, 7)] == pytest.approx(0.00015)
+    assert policy.prompt_token_cost[(16, 1)] == pytest.approx(0.0006)
+    assert policy.prompt_cost(16, 7) == pytest.approx(4 * policy.prompt_cost(1, 7))  # the nearest batch's price
+    assert policy.best([], 16, B) == 1.0
+    assert policy.best([], 1, B) == LOSSLESS
+
+
 def test_where_every_step_takes_a_prompt_each_window_is_priced_by_its_whole_steps():
     """Short answers at many streams: a request joins at every step, so no window is ever measured decoding
     alone. After an exploration's worth of such steps a window is priced by its whole steps (prompt
@@ -252,14 +282,14 @@ def test_where_every_step_takes_a_prompt_each_window_is_priced_by_its_whole_step
     assert arms[-300:].count(NARROW) > 280
     # whole steps are kept apart: the decoding cells and the prompt prices hold only what decoding steps
     # measured (the first step, before any request joined, at the lossless mode's 7 slots)
-    assert set(policy.cost) == {(16, 2 * B - 1)} and set(policy.prompt_token_cost) <= {2 * B - 1}
+    assert set(policy.cost) == {(16, 2 * B - 1)} and set(policy.prompt_token_cost) <= {(16, 2 * B - 1)}
     # then requests get longer: about every other step decodes alone, and prompts are priced beside
     # decoding steps (against whole steps they would read ~0, and the prompts decide the arm here: see
     # test_the_prompts_joining_beside_a_window_count_in_its_cost)
     policy.explore_every = 20  # a new load: re-measure soon
     arms = drive(policy, 1200, lambda step: 1.0, gain, cost, rows=16, prompts=(120, 50), prompt_cost=per_prompt_token)
-    assert policy.prompt_token_cost[1] == pytest.approx(0.0004, rel=0.05)
-    assert policy.prompt_token_cost[3] == pytest.approx(0.0005, rel=0.05)
+    assert policy.prompt_token_cost[(16, 1)] == pytest.approx(0.0004, rel=0.05)
+    assert policy.prompt_token_cost[(16, 3)] == pytest.approx(0.0005, rel=0.05)
     assert arms[-300:].count(1.0) > 250
 
 

@@ -16,10 +16,10 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   cost and accepts fewer tokens (:meth:`TauRange.candidates`). Rows that named their tau keep it; they
   count in the prediction as they are.
 * a step that takes new requests forwards their prompts beside the batch's windows. Its cost beyond the
-  decoding step it joined is measured per prompt token and window, and the prediction charges each
-  generated token its share of it (the traffic's prompt tokens per generated token, measured too:
-  :meth:`AdaptiveTau.prompt_cost`). A prompt costs more beside wider windows, and at high load that
-  decides: on SmolLM2 in bf16 on a 2-core CPU at 16 streams about half the steps take a prompt (62
+  decoding step it joined is measured per prompt token, batch size and window, and the prediction charges
+  each generated token its share of it (the traffic's prompt tokens per generated token, measured too:
+  :meth:`AdaptiveTau.prompt_cost`). A prompt costs more beside more rows and wider windows, and at high
+  load that decides: on SmolLM2 in bf16 on a 2-core CPU at 16 streams about half the steps take a prompt (62
   tokens after the prefix cache, ~25 generated a request), and counting the decoding steps alone the
   policy ran lossless at block size 2 for 98% of its steps, where tau = 1 fixed was 18% faster than it.
 * tokens/forward is estimated on the latest requests and compared on the same ones. The policy rows'
@@ -216,10 +216,10 @@ class AdaptiveTau:
         self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
         self._recent: dict[tuple[int, int], deque] = {}
         self._whole: dict[tuple[int, int], deque] = {}  # the same, of steps that took prompts (see _whole_step_cost)
-        # slots -> seconds per joining prompt token beyond the step it joined (median of recent), and the
-        # traffic's prompt tokens per generated token over the last `flow_steps` steps (see prompt_cost)
-        self.prompt_token_cost: dict[int, float] = {}
-        self._prompt_recent: dict[int, deque] = {}
+        # (batch, slots) -> seconds per joining prompt token beyond the step it joined (median of recent), and
+        # the traffic's prompt tokens per generated token over the last `flow_steps` steps (see prompt_cost)
+        self.prompt_token_cost: dict[tuple[int, int], float] = {}
+        self._prompt_recent: dict[tuple[int, int], deque] = {}
         self.flow_steps = flow_steps
         self._flow = SlidingSums(2, lambda sums, steps: steps >= self.flow_steps)  # (prompt tokens, generated) a step
         self._model: tuple[tuple[float, float, float] | None, set[int]] | None = None  # see _cost_model
@@ -256,9 +256,11 @@ class AdaptiveTau:
         self._flow.add((prompt_tokens, sum(tokens for tokens, _ in accepted.values())))
         if prompt_tokens:  # what the prompts cost beyond the decoding step they joined (see prompt_cost)
             if slots in self._cost_model()[1]:
-                recent = self._prompt_recent.setdefault(slots, deque(maxlen=self.cost_samples))
+                recent = self._prompt_recent.get((batch, slots))
+                if recent is None:
+                    recent = self._prompt_recent[(batch, slots)] = deque(maxlen=self.cost_samples)
                 recent.append(max(seconds - self.step_cost(batch, slots), 0.0) / prompt_tokens)
-                self.prompt_token_cost[slots] = _median(recent)
+                self.prompt_token_cost[(batch, slots)] = _median(recent)
             else:  # a window not measured decoding alone yet: the whole step (see _whole_step_cost)
                 self._whole.setdefault((batch, slots), deque(maxlen=self.cost_samples)).append(seconds)
             if self._phase == "explore" and self._extended < self.explore_steps:
@@ -289,20 +291,25 @@ class AdaptiveTau:
     def _holds_tpf_samples(self, sums: list[int], steps: int) -> bool:
         return sums[1] >= self.tpf_samples  # sums: (tokens, rows)
 
-    def prompt_cost(self, slots: int) -> float:
-        """Seconds of joining prompts per generated token while the batch decodes ``slots``-wide windows: the
-        prompt tokens the traffic brings per generated token (the last ``flow_steps`` steps) times what one
-        costs beyond the step it joins (the median over that window's last join steps; a window not seen
-        joining yet reads its nearest measured one's). Each request's prompt is forwarded once whatever the
-        arm, but not at the same price: beside wider windows it costs more (SmolLM2 in bf16 on a 2-core
-        CPU, 16 rows: ~0.44 ms a prompt token beside 1-slot windows, ~0.55 ms beside the 3-slot windows of
-        lossless at block size 2), and at 16 streams half the steps take a prompt."""
+    def prompt_cost(self, batch: int, slots: int) -> float:
+        """Seconds of joining prompts per generated token while ``batch`` rows decode ``slots``-wide windows:
+        the prompt tokens the traffic brings per generated token (the last ``flow_steps`` steps) times what
+        one costs beyond the step it joins (the median over that cell's last join steps). Each request's
+        prompt is forwarded once whatever the arm, but not at the same price: beside more rows and wider
+        windows it costs more. Batch size matters most: in-process on SmolLM2 in bf16 on a 2-core CPU a step
+        that took prompts cost ~14 ms more than a decoding step at one row and ~33-45 ms more at 16, in the
+        same windows; at 16 rows ~0.44 ms a prompt token beside 1-slot windows and ~0.55 ms beside the
+        3-slot windows of lossless at block size 2. A cell not seen joining yet reads the nearest measured
+        batch size, at its nearest window. Priced by window alone, the lossless mode's prompts, measured
+        mostly at one stream (0.32 ms a token), were charged that at 16 rows, where they cost ~1 ms, and
+        the policy ran the mode through bursty traces' 16-stream phases, where it was 22% slower than
+        tau = 1 fixed."""
         prompt, generated = self._flow.total
         if not prompt or not generated or not self.prompt_token_cost:
             return 0.0
         known = self.prompt_token_cost
-        per_token = known[_nearest(known, slots)]
-        return prompt / generated * per_token
+        near = _nearest({b for b, _ in known}, batch)
+        return prompt / generated * known[(near, _nearest([w for b, w in known if b == near], slots))]
 
     def _pair(self, step: tuple[int, int] | None) -> None:
         """File the step the policy rows just took at ``self.arm`` (``(tokens, rows)``; None: none counted,
@@ -442,13 +449,14 @@ class AdaptiveTau:
         if tpf is None:
             return None
         slots = self._window(arm, fixed_taus, block_size, lossless_rows)
-        cost = self.step_cost(policy_rows + len(fixed_taus) + lossless_rows, slots, modelled)
+        batch = policy_rows + len(fixed_taus) + lossless_rows
+        cost = self.step_cost(batch, slots, modelled)
         if not cost:
             return None
         named = sum(self._tpf_near(t) for t in fixed_taus) + lossless_rows * (self.tokens_per_forward(LOSSLESS) or 1.0)
         generated = policy_rows * tpf + named
         # a window priced by whole steps holds its prompts already (see _whole_step_cost)
-        charge = self.prompt_cost(slots) if slots in self._cost_model()[1] else 0.0
+        charge = self.prompt_cost(batch, slots) if slots in self._cost_model()[1] else 0.0
         return generated / (cost + generated * charge)
 
     @staticmethod
