@@ -256,13 +256,11 @@ class AdaptiveTau:
         self._flow.add((prompt_tokens, sum(tokens for tokens, _ in accepted.values())))
         if prompt_tokens:  # what the prompts cost beyond the decoding step they joined (see prompt_cost)
             if slots in self._cost_model()[1]:
-                recent = self._prompt_recent.get((batch, slots))
-                if recent is None:
-                    recent = self._prompt_recent[(batch, slots)] = deque(maxlen=self.cost_samples)
+                recent = self._samples(self._prompt_recent, (batch, slots))
                 recent.append(max(seconds - self.step_cost(batch, slots), 0.0) / prompt_tokens)
                 self.prompt_token_cost[(batch, slots)] = _median(recent)
             else:  # a window not measured decoding alone yet: the whole step (see _whole_step_cost)
-                self._whole.setdefault((batch, slots), deque(maxlen=self.cost_samples)).append(seconds)
+                self._samples(self._whole, (batch, slots)).append(seconds)
             if self._phase == "explore" and self._extended < self.explore_steps:
                 # a step that took prompts measured no decoding step: explore one more (over HTTP at 16 streams
                 # most steps take one, and SmolLM2's 16-row 1-slot cell went unmeasured through 500 steps)
@@ -270,10 +268,9 @@ class AdaptiveTau:
                 arm, left = self._exploring or (self.arm, 0)
                 self._exploring = (arm, left + 1)
         else:
-            recent = self._recent.get((batch, slots))
-            if recent is None:  # a new cell: a window the model may not know yet
-                recent = self._recent[(batch, slots)] = deque(maxlen=self.cost_samples)
+            if (batch, slots) not in self._recent:  # a new cell: a window the model may not know yet
                 self._model = None
+            recent = self._samples(self._recent, (batch, slots))
             recent.append(seconds)
             self.cost[(batch, slots)] = _median(recent)
             self._unfitted += 1
@@ -287,6 +284,13 @@ class AdaptiveTau:
                 window.add((tokens, rows))
                 self.tpf[arm] = window.total[0] / window.total[1]
         self._pair(accepted.get(self.arm))
+
+    def _samples(self, cells: dict[tuple[int, int], deque], cell: tuple[int, int]) -> deque:
+        """The last ``cost_samples`` samples of ``cell`` (created empty the first time; no allocation after)."""
+        recent = cells.get(cell)
+        if recent is None:
+            recent = cells[cell] = deque(maxlen=self.cost_samples)
+        return recent
 
     def _holds_tpf_samples(self, sums: list[int], steps: int) -> bool:
         return sums[1] >= self.tpf_samples  # sums: (tokens, rows)
