@@ -234,7 +234,7 @@ class AdaptiveTau:
         self._settled_steps: deque[tuple[Arm, int, int]] = deque(maxlen=max(explore_steps, explore_rows))
         self._bracket: _Bracket | None = None
         # the policy rows' last row-steps at any arm but tau = 1: (tokens, rows), by arm
-        self._level = SlidingSums(2, self._holds_tpf_samples)
+        self._level = self._new_tpf_window()
         self._phase: str | None = None  # "explore" or "settled": what the step being taken is
         self.last_seen: dict[Arm, int] = {}  # decision count when each candidate last ran
         self.decisions = 0
@@ -256,11 +256,11 @@ class AdaptiveTau:
         self._flow.add((prompt_tokens, sum(tokens for tokens, _ in accepted.values())))
         if prompt_tokens:  # what the prompts cost beyond the decoding step they joined (see prompt_cost)
             if slots in self._cost_model()[1]:
-                recent = self._samples(self._prompt_recent, (batch, slots))
+                recent = _cell(self._prompt_recent, (batch, slots), self._new_samples)
                 recent.append(max(seconds - self.step_cost(batch, slots), 0.0) / prompt_tokens)
                 self.prompt_token_cost[(batch, slots)] = _median(recent)
             else:  # a window not measured decoding alone yet: the whole step (see _whole_step_cost)
-                self._samples(self._whole, (batch, slots)).append(seconds)
+                _cell(self._whole, (batch, slots), self._new_samples).append(seconds)
             if self._phase == "explore" and self._extended < self.explore_steps:
                 # a step that took prompts measured no decoding step: explore one more (over HTTP at 16 streams
                 # most steps take one, and SmolLM2's 16-row 1-slot cell went unmeasured through 500 steps)
@@ -270,7 +270,7 @@ class AdaptiveTau:
         else:
             if (batch, slots) not in self._recent:  # a new cell: a window the model may not know yet
                 self._model = None
-            recent = self._samples(self._recent, (batch, slots))
+            recent = _cell(self._recent, (batch, slots), self._new_samples)
             recent.append(seconds)
             self.cost[(batch, slots)] = _median(recent)
             self._unfitted += 1
@@ -278,19 +278,20 @@ class AdaptiveTau:
                 self._model = None
         for arm, (tokens, rows) in accepted.items():
             if rows and arm != 1.0 and arm in self.candidates:  # a request's own tau is not a candidate
-                window = self._accepted.get(arm)
-                if window is None:
-                    window = self._accepted[arm] = SlidingSums(2, self._holds_tpf_samples)
+                window = _cell(self._accepted, arm, self._new_tpf_window)
                 window.add((tokens, rows))
                 self.tpf[arm] = window.total[0] / window.total[1]
         self._pair(accepted.get(self.arm))
 
-    def _samples(self, cells: dict[tuple[int, int], deque], cell: tuple[int, int]) -> deque:
-        """The last ``cost_samples`` samples of ``cell`` (created empty the first time; no allocation after)."""
-        recent = cells.get(cell)
-        if recent is None:
-            recent = cells[cell] = deque(maxlen=self.cost_samples)
-        return recent
+    # what a cell, arm or pair starts with (see _cell)
+    def _new_samples(self) -> deque:  # a cell's last `cost_samples` seconds
+        return deque(maxlen=self.cost_samples)
+
+    def _new_tpf_window(self) -> SlidingSums:  # the last `tpf_samples` rows' (tokens, rows)
+        return SlidingSums(2, self._holds_tpf_samples)
+
+    def _new_pair_pool(self) -> SlidingSums:  # a pair's (a tokens, a rows, b tokens, b rows) per exploration
+        return SlidingSums(4, lambda sums, steps: min(sums[1], sums[3]) >= self.pair_samples)
 
     def _holds_tpf_samples(self, sums: list[int], steps: int) -> bool:
         return sums[1] >= self.tpf_samples  # sums: (tokens, rows)
@@ -349,10 +350,7 @@ class AdaptiveTau:
             return
         key = _pair_key(bracket.arm, bracket.settled)
         record = (*bracket.during, *bracket.base) if key[0] == bracket.arm else (*bracket.base, *bracket.during)
-        pool = self._pairs.get(key)
-        if pool is None:
-            pool = self._pairs[key] = SlidingSums(4, lambda sums, steps: min(sums[1], sums[3]) >= self.pair_samples)
-        pool.add(record)
+        _cell(self._pairs, key, self._new_pair_pool).add(record)
 
     def tokens_per_forward(self, arm: Arm) -> float | None:
         """The estimate decisions use: tau = 1 yields exactly 1; another arm, the policy rows' last
@@ -622,6 +620,15 @@ class SlidingSums:
 def _plus(sums: list, record: tuple, sign: int = 1) -> list:
     """A new list (readers on another thread may hold the old one): ``sums + sign x record``, by position."""
     return [a + sign * b for a, b in zip(sums, record)]
+
+
+def _cell(cells: dict, key, make: Callable[[], object]):
+    """``cells[key]``, made by ``make()`` the first time (setdefault would build one on every call, on the
+    engine's stepping thread)."""
+    value = cells.get(key)
+    if value is None:
+        value = cells[key] = make()
+    return value
 
 
 def _nearest(values, target: int) -> int:
