@@ -10,8 +10,10 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   1 when every row decodes at tau = 1, B when some row reads masks (its window then holds the tokens
   accepted last step + B-1 masks); and the tokens each tau yields per row and forward;
 * before each step it picks the candidate that maximises the predicted generated tokens per second of
-  the whole batch: sum over rows of tokens/forward at the row's tau, divided by the step cost at the
-  batch size and the window that tau needs. The candidate taus are the floor (the lowest tau the
+  the load: per batch, the sum over rows of tokens/forward at the row's tau, divided by the step cost at
+  the batch size and the window that tau needs, summed over the batches of the last ``load_steps``
+  decisions (:meth:`AdaptiveTau._scores`: chosen for each batch as it came, the policy moved at every
+  other step while rows came and went). The candidate taus are the floor (the lowest tau the
   release's gate accepted) and the ceiling (1.0): a tau between them reads the floor's window at its
   cost and accepts fewer tokens (:meth:`TauRange.candidates`). Rows that named their tau keep it; they
   count in the prediction as they are.
@@ -81,7 +83,7 @@ under a changing load most batch sizes are visited for a step or two.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
@@ -172,7 +174,7 @@ class AdaptiveTau:
                  cost_samples: int = 15,
                  cell_samples: int = 5, explore_steps: int = 3, explore_rows: int = 12,
                  explore_every: int = 150, explore_within: float = 0.2, explore_far_every: int = 600,
-                 rescore_every: int = 8, refit_every: int = 16, switch_margin: float = 0.05,
+                 rescore_every: int = 8, load_steps: int = 32, refit_every: int = 16, switch_margin: float = 0.05,
                  enter_margin: float = 0.01, pair_gap: int = 4,
                  flow_steps: int = 512, candidates: Sequence[float] | None = None, lossless: bool = False,
                  lossless_block_sizes: Sequence[int] = (2,)):
@@ -202,13 +204,16 @@ class AdaptiveTau:
         # `explore_far_every` decisions: on SmolLM2 at 16 streams a 3-step exploration of the lossless mode at
         # B reads a window of 7 at twice the cost of the settled one of 3, in a load that lasted ~150 steps
         self.explore_within, self.explore_far_every = explore_within, explore_far_every
-        # a batch (rows, named taus, greedy, the settled arm) is re-scored every `rescore_every` decisions,
-        # not every step: on the default profile's toy a step is ~1 ms, and at 4 streams, where rows come and
-        # go every few steps, scoring at each change took 13% of the engine's time
+        # the arm is chosen for the load, the batches of the last `load_steps` decisions (see _scores), and
+        # re-scored every `rescore_every` decisions, not every step: on the default profile's toy a step is
+        # ~1 ms, and at 4 streams, where rows come and go every few steps, scoring at each change took 13% of
+        # the engine's time
         self.rescore_every = rescore_every
+        self._load: deque[tuple[int, tuple[float, ...], int]] = deque(maxlen=load_steps)  # (policy rows, named
+        # taus, named lossless rows) of each decision
         self._open_memo: dict[tuple[bool, int], list[Arm]] = {}  # (greedy, B) -> the candidates open
-        self._scored: dict[tuple, tuple[Arm, int]] = {}  # batch -> (its choice, at which decision); cleared by
-        # each exploration (every `explore_every` decisions at most), so it holds a few batches
+        self._choice: tuple[tuple, int] | None = None  # ((greedy, B, the settled arm), the decision it was scored
+        # at); None after an exploration starts: its measurements are scored at the next decision
         # the settled arm moves only for a predicted gain above this (see the module docstring), into the
         # lossless mode from a tau above `enter_margin`
         self.switch_margin, self.enter_margin = switch_margin, enter_margin
@@ -447,7 +452,14 @@ class AdaptiveTau:
         step over the step's cost and the joining prompts' share per token (:meth:`prompt_cost`)
         (``lossless_rows``: rows that asked for the lossless mode themselves; ``modelled``: see
         :meth:`step_cost`)."""
-        tpf = self.tokens_per_forward(arm)
+        step = self._predicted(arm, self.tokens_per_forward(arm), tuple(fixed_taus), policy_rows, block_size,
+                               lossless_rows, modelled)
+        return None if step is None else step[0] / step[1]
+
+    def _predicted(self, arm: Arm, tpf: float | None, fixed_taus: tuple[float, ...], policy_rows: int,
+                   block_size: int, lossless_rows: int, modelled: bool) -> tuple[float, float] | None:
+        """(generated tokens, seconds) of one step of the batch with its policy rows at ``arm`` yielding ``tpf``
+        tokens a row, the joining prompts' share included; None while something in it is unmeasured."""
         if tpf is None:
             return None
         slots = self._window(arm, fixed_taus, block_size, lossless_rows)
@@ -459,7 +471,7 @@ class AdaptiveTau:
         generated = policy_rows * tpf + named
         # a window priced by whole steps holds its prompts already (see _whole_step_cost)
         charge = self.prompt_cost(batch, slots) if slots in self._cost_model()[1] else 0.0
-        return generated / (cost + generated * charge)
+        return generated, cost + generated * charge
 
     @staticmethod
     def _window(arm: Arm, fixed_taus: Sequence[float], block_size: int, lossless_rows: int) -> int:
@@ -468,18 +480,36 @@ class AdaptiveTau:
         named = 2 * block_size - 1 if lossless_rows else block_size if any(t < 1.0 for t in fixed_taus) else 1
         return max(own, named)
 
-    def _scores(self, arms: Sequence[Arm], fixed_taus: Sequence[float], policy_rows: int, block_size: int,
-                lossless_rows: int) -> dict[Arm, float | None]:
-        """``predict`` for each arm, all at the same kind of step cost: the cells' medians where every
-        window compared is well measured at this batch size, else the cost model for every window. On a
-        busy CPU a cell's median wandered by ~5% around the per-window line the policy used before; set
-        against another window's line it flipped the choice as the batch size moved by a row or two (on the
-        default profile's toy, 13 rows favoured tau = 0.9 and 15 the lossless mode), and each move into the
-        lossless mode costs a step."""
-        batch = policy_rows + len(fixed_taus) + lossless_rows
-        modelled = not all(self._well_measured(batch, self._window(a, fixed_taus, block_size, lossless_rows))
-                           for a in arms)
-        return {a: self.predict(a, fixed_taus, policy_rows, block_size, lossless_rows, modelled) for a in arms}
+    def _scores(self, arms: Sequence[Arm], block_size: int,
+                load: dict[tuple[int, tuple[float, ...], int], int] | None = None) -> dict[Arm, float | None]:
+        """Predicted tokens/s of each arm over the load: the batches of the last ``load_steps`` decisions
+        (``load``: batch -> count, else those), each arm's generated tokens over its seconds summed over them.
+        Why the load and not the batch at hand: at many streams rows leave and join every step, the batch
+        size moves between ~12 and 16, and each batch size's estimates carry their own noise; chosen per
+        batch, the policy on the default profile's toy (in-process, a bursty trace) moved between tau = 0.9
+        and the lossless mode every one to three steps at 12-16 rows, ~50 moves in 1400 steps, and each move
+        into the lossless mode costs every row a step without drafts.
+        Within a batch every arm is read at the same kind of step cost: the cells' medians where every
+        window compared is well measured at its batch size, else the cost model for every window. On a busy
+        CPU a cell's median wandered by ~5% around the per-window line the policy used before; set against
+        another window's line it flipped the choice as the batch size moved by a row or two (on the default
+        profile's toy, 13 rows favoured tau = 0.9 and 15 the lossless mode)."""
+        tpf = {a: self.tokens_per_forward(a) for a in arms}
+        tokens: dict[Arm, float | None] = dict.fromkeys(arms, 0.0)
+        seconds = dict.fromkeys(arms, 0.0)
+        for (policy_rows, fixed_taus, lossless_rows), count in (Counter(self._load) if load is None else load).items():
+            batch = policy_rows + len(fixed_taus) + lossless_rows
+            modelled = not all(self._well_measured(batch, self._window(a, fixed_taus, block_size, lossless_rows))
+                               for a in arms)
+            for a in arms:
+                step = tokens[a] is not None and self._predicted(a, tpf[a], fixed_taus, policy_rows, block_size,
+                                                                 lossless_rows, modelled)
+                if not step:
+                    tokens[a] = None
+                    continue
+                tokens[a] += count * step[0]
+                seconds[a] += count * step[1]
+        return {a: None if tokens[a] is None else tokens[a] / seconds[a] for a in arms}
 
     def _tpf_near(self, tau: float) -> float:
         """A named tau's tokens/forward: that of the nearest measured candidate tau (1.0 while none is)."""
@@ -502,6 +532,7 @@ class AdaptiveTau:
         if not policy_rows or not block_size or block_size < 2:
             return self.arm
         self.decisions += 1
+        self._load.append((policy_rows, tuple(fixed_taus), lossless_rows))
         open_ = self._open(greedy, block_size)
         if self._exploring is not None:
             arm, left = self._exploring
@@ -512,19 +543,18 @@ class AdaptiveTau:
                 return self._use(arm, explore=True)
             self._exploring, self._explored_at = None, self.decisions
         settled = self._settled
-        batch = (policy_rows, tuple(fixed_taus), lossless_rows, greedy, settled)
         due = self.decisions % self.explore_every == 0
-        memo = self._scored.get(batch)
-        if not due and memo is not None and self.decisions - memo[1] < self.rescore_every:
-            self._settled = memo[0]  # this batch, scored a few steps ago: the estimates move slowly
-            return self._use(memo[0])
-        scores = self._scores(open_, fixed_taus, policy_rows, block_size, lossless_rows)
+        turn = (greedy, block_size, settled)
+        if not due and self._choice is not None and self._choice[0] == turn \
+                and self.decisions - self._choice[1] < self.rescore_every:
+            return self._use(settled)  # scored a few steps ago: the estimates and the load move slowly
+        scores = self._scores(open_, block_size)
         best = _best(scores)
         if best is None:  # measure before judging: the widest unmeasured window first
-            self._scored.clear()
+            self._choice = None
             return self._explore(min((a for a, v in scores.items() if v is None), key=_width_order), policy_rows)
         if due:  # the candidate measured longest ago, of those near the best or not measured for long
-            self._scored.clear()
+            self._choice = None
             near = [a for a in open_ if scores[a] >= scores[best] * (1 - self.explore_within)
                     or self.decisions - self.last_seen.get(a, -1) >= self.explore_far_every]
             return self._explore(min(near, key=lambda a: self.last_seen.get(a, -1)), policy_rows)
@@ -538,18 +568,19 @@ class AdaptiveTau:
             # ahead, but on too few paired row-steps yet to say which yields more: pair them sooner (a settled
             # arm this batch cannot take, the lossless mode while a row samples, is not kept)
             if self.decisions - self._explored_at >= self.pair_gap * self._explore_length(best, policy_rows):
-                self._scored.clear()
+                self._choice = None
                 return self._explore(best, policy_rows)
             best = settled
-        self._scored[batch] = (best, self.decisions)
+        self._choice = ((greedy, block_size, best), self.decisions)
         self._settled = best
         return self._use(best)
 
     def best(self, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
              lossless_rows: int = 0, greedy: bool = True) -> Arm | None:
-        """The candidate with the highest predicted tokens/s (ties: the narrower window); None while
-        some candidate is unmeasured."""
-        return _best(self._scores(self._open(greedy, block_size), fixed_taus, policy_rows, block_size, lossless_rows))
+        """The candidate with the highest predicted tokens/s for this batch alone (ties: the narrower window);
+        None while some candidate is unmeasured."""
+        return _best(self._scores(self._open(greedy, block_size), block_size,
+                                  {(policy_rows, tuple(fixed_taus), lossless_rows): 1}))
 
     def _explore(self, arm: Arm, rows: int = 1) -> Arm:
         """Run ``arm`` for a few steps of ``rows`` policy rows: ``explore_steps``, or as many as make
