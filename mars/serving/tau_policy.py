@@ -83,6 +83,7 @@ under a changing load most batch sizes are visited for a step or two.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
@@ -298,7 +299,7 @@ class AdaptiveTau:
     def _new_pair_pool(self) -> SlidingSums:  # a pair's (a tokens, a rows, b tokens, b rows) per exploration
         return SlidingSums(4, lambda sums, steps: min(sums[1], sums[3]) >= self.pair_samples)
 
-    def _holds_tpf_samples(self, sums: list[int], steps: int) -> bool:
+    def _holds_tpf_samples(self, sums: tuple[int, int], steps: int) -> bool:
         return sums[1] >= self.tpf_samples  # sums: (tokens, rows)
 
     def prompt_cost(self, batch: int, slots: int) -> float:
@@ -624,33 +625,31 @@ class AdaptiveTau:
 class SlidingSums:
     """Running sums of the latest records (tuples of counts), in total and by key (of keyed records): the
     oldest record leaves while the others still hold enough (``enough(their sums, their count)``), so an add
-    costs O(1) amortized however long the window."""
+    costs O(1) amortized however long the window. Sums are new tuples on every change: /metrics reads them
+    from another thread."""
 
-    def __init__(self, width: int, enough: Callable[[list, int], bool]):
-        self.width, self.enough = width, enough
+    def __init__(self, width: int, enough: Callable[[tuple, int], bool]):
+        self.enough = enough
         self.records: deque[tuple[object, tuple]] = deque()
-        self.total: list = [0] * width
-        self.by_key: dict[object, list] = {}
+        self.total: tuple = (0,) * width
+        self.by_key: dict[object, tuple] = {}
 
     def add(self, record: tuple, key: object = None) -> None:
-        self.records.append((key, record))
-        self.total = _plus(self.total, record)
+        records, by_key = self.records, self.by_key
+        records.append((key, record))
+        total = self.total = tuple(map(operator.add, self.total, record))
         if key is not None:
-            self.by_key[key] = _plus(self.by_key.get(key, [0] * self.width), record)
-        while self.records:
-            old_key, old = self.records[0]
-            rest = _plus(self.total, old, -1)
-            if not self.enough(rest, len(self.records) - 1):
+            sums = by_key.get(key)
+            by_key[key] = tuple(record) if sums is None else tuple(map(operator.add, sums, record))
+        while records:
+            old_key, old = records[0]
+            rest = tuple(map(operator.sub, total, old))
+            if not self.enough(rest, len(records) - 1):
                 break
-            self.records.popleft()
-            self.total = rest
+            records.popleft()
+            total = self.total = rest
             if old_key is not None:
-                self.by_key[old_key] = _plus(self.by_key[old_key], old, -1)
-
-
-def _plus(sums: list, record: tuple, sign: int = 1) -> list:
-    """A new list (readers on another thread may hold the old one): ``sums + sign x record``, by position."""
-    return [a + sign * b for a, b in zip(sums, record)]
+                by_key[old_key] = tuple(map(operator.sub, by_key[old_key], old))
 
 
 def _cell(cells: dict, key, make: Callable[[], object]):
