@@ -468,8 +468,9 @@ class AdaptiveTau:
         cost = self.step_cost(batch, slots, modelled)
         if not cost:
             return None
-        named = sum(self._tpf_near(t) for t in fixed_taus) + lossless_rows * (self.tokens_per_forward(LOSSLESS) or 1.0)
-        generated = policy_rows * tpf + named
+        generated = policy_rows * tpf
+        if fixed_taus or lossless_rows:  # rows that named their tau or mode
+            generated += sum(map(self._tpf_near, fixed_taus)) + lossless_rows * (self.tokens_per_forward(LOSSLESS) or 1.0)
         # a window priced by whole steps holds its prompts already (see _whole_step_cost)
         charge = self.prompt_cost(batch, slots) if slots in self._cost_model()[1] else 0.0
         return generated, cost + generated * charge
