@@ -225,6 +225,7 @@ class AdaptiveTau:
         # (batch, slots) -> seconds per joining prompt token beyond the step it joined (median of recent), and
         # the traffic's prompt tokens per generated token over the last `flow_steps` steps (see prompt_cost)
         self.prompt_token_cost: dict[tuple[int, int], float] = {}
+        self._priced_windows: dict[int, list[int]] = {}  # batch -> the windows priced there (prompt_cost reads it)
         self._prompt_recent: dict[tuple[int, int], deque] = {}
         self.flow_steps = flow_steps
         self._flow = SlidingSums(2, lambda sums, steps: steps >= self.flow_steps)  # (prompt tokens, generated) a step
@@ -264,6 +265,8 @@ class AdaptiveTau:
             if slots in self._cost_model()[1]:
                 recent = _cell(self._prompt_recent, (batch, slots), self._new_samples)
                 recent.append(max(seconds - self.step_cost(batch, slots), 0.0) / prompt_tokens)
+                if (batch, slots) not in self.prompt_token_cost:
+                    self._priced_windows[batch] = sorted({*self._priced_windows.get(batch, ()), slots})
                 self.prompt_token_cost[(batch, slots)] = _median(recent)
             else:  # a window not measured decoding alone yet: the whole step (see _whole_step_cost)
                 _cell(self._whole, (batch, slots), self._new_samples).append(seconds)
@@ -318,9 +321,8 @@ class AdaptiveTau:
         prompt, generated = self._flow.total
         if not prompt or not generated or not self.prompt_token_cost:
             return 0.0
-        known = self.prompt_token_cost
-        near = _nearest({b for b, _ in known}, batch)
-        return prompt / generated * known[(near, _nearest([w for b, w in known if b == near], slots))]
+        near = _nearest(self._priced_windows, batch)
+        return prompt / generated * self.prompt_token_cost[(near, _nearest(self._priced_windows[near], slots))]
 
     def _pair(self, step: tuple[int, int] | None) -> None:
         """File the step the policy rows just took at ``self.arm`` (``(tokens, rows)``; None: none counted,
