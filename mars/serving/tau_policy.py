@@ -213,8 +213,8 @@ class AdaptiveTau:
         self._load: deque[tuple[int, tuple[float, ...], int]] = deque(maxlen=load_steps)  # (policy rows, named
         # taus, named lossless rows) of each decision
         self._open_memo: dict[tuple[bool, int], list[Arm]] = {}  # (greedy, B) -> the candidates open
-        self._choice: tuple[tuple, int] | None = None  # ((greedy, B, the settled arm), the decision it was scored
-        # at); None after an exploration starts: its measurements are scored at the next decision
+        self._choice: tuple[tuple[bool, int], int] | None = None  # ((greedy, B), the decision the settled arm was
+        # scored at); None after an exploration starts: its measurements are scored at the next decision
         # the settled arm moves only for a predicted gain above this (see the module docstring), into the
         # lossless mode from a tau above `enter_margin`
         self.switch_margin, self.enter_margin = switch_margin, enter_margin
@@ -548,7 +548,7 @@ class AdaptiveTau:
             self._exploring, self._explored_at = None, self.decisions
         settled = self._settled
         due = self.decisions % self.explore_every == 0
-        turn = (greedy, block_size, settled)
+        turn = (greedy, block_size)
         if not due and self._choice is not None and self._choice[0] == turn \
                 and self.decisions - self._choice[1] < self.rescore_every:
             return self._use(settled)  # scored a few steps ago: the estimates and the load move slowly
@@ -575,7 +575,7 @@ class AdaptiveTau:
                 self._choice = None
                 return self._explore(best, policy_rows)
             best = settled
-        self._choice = ((greedy, block_size, best), self.decisions)
+        self._choice = (turn, self.decisions)
         self._settled = best
         return self._use(best)
 
