@@ -77,7 +77,8 @@ each ends, until the pairs are trusted: waiting for the regular turn, a short lo
 Where every step takes a prompt (short answers at many streams) no window is measured decoding alone; after
 an exploration's worth of such steps a window is priced by its whole steps (:meth:`AdaptiveTau._whole_step_cost`).
 A step cost measured only a few times at this batch size is read off a cost model fitted over every
-measured cell (a fixed part, a part per row and a part per token forwarded: :meth:`AdaptiveTau.step_cost`):
+measured cell (a fixed part, a part per row, a part per token forwarded and a part per row of a window wider than
+one slot: :meth:`AdaptiveTau.step_cost`):
 under a changing load most batch sizes are visited for a step or two.
 """
 
@@ -229,7 +230,7 @@ class AdaptiveTau:
         self._prompt_recent: dict[tuple[int, int], deque] = {}
         self.flow_steps = flow_steps
         self._flow = SlidingSums(2, lambda sums, steps: steps >= self.flow_steps)  # (prompt tokens, generated) a step
-        self._model: tuple[tuple[float, float, float] | None, set[int]] | None = None  # see _cost_model
+        self._model: tuple[tuple[float, float, float, float] | None, set[int]] | None = None  # see _cost_model
         # the model is refitted after `refit_every` new samples, not each one: medians move slowly, and a fit
         # (least squares over every cell) is most of a decision's time on a small model
         self.refit_every, self._unfitted = refit_every, 0
@@ -406,8 +407,8 @@ class AdaptiveTau:
             return self._whole_step_cost(batch, slots)
         if shape is None:  # too few cells for a shape: the window's nearest batch size as measured
             return self.cost[(_nearest([b for b, w in self.cost if w == slots], batch), slots)]
-        a, c, d = shape
-        return a + c * batch + d * batch * slots
+        a, c, d, e = shape
+        return a + c * batch + d * batch * slots + (e * batch if slots > 1 else 0.0)
 
     def _whole_step_cost(self, batch: int, slots: int) -> float | None:
         """A window never measured decoding alone, priced by its whole steps (prompts included) once an
@@ -427,18 +428,25 @@ class AdaptiveTau:
         recent = self._recent.get((batch, slots))
         return recent is not None and len(recent) >= self.cell_samples
 
-    def _cost_model(self) -> tuple[tuple[float, float, float] | None, set[int]]:
-        """``(a, c, d), windows``: seconds = a + c x batch + d x batch x slots, and the windows measured so
-        far. A step costs a fixed part, a part per row and a part per token forwarded (rows x slots), so the
-        shape is fitted over every cell of every window at once (least squares, each cell weighted by its
-        samples, over the well-measured cells where they determine it; c and d kept >= 0: a step never
-        gets cheaper with more rows or tokens). Why one shape: the windows the policy is not settled in
-        are measured only where it explored them, often at other loads, and a line per window drawn
-        through a few nearby batch sizes extrapolates badly: in-process on SmolLM2 in bf16 the line
-        through the 7-slot window's cells read 72 ms at 16 rows, where that forward alone takes 92 ms, and
-        in ``bench_serve`` at 16 streams the policy with such lines stayed at tau = 1 for 87% of its steps
-        while lossless at block size 2, fixed, was 8% faster than tau = 1 fixed. The cost per token
-        forwarded is the same in every window."""
+    def _cost_model(self) -> tuple[tuple[float, float, float, float] | None, set[int]]:
+        """``(a, c, d, e), windows``: seconds = a + c x batch + d x batch x slots + e x batch x [slots > 1], and
+        the windows measured so far. A step costs a fixed part, a part per row, a part per token forwarded (rows
+        x slots) and, where the window is wider than one slot, a part per row more: a row that reads masks
+        (a query of several tokens) pays for the masked attention and the gathers a one-token query skips.
+        SmolLM2 in bf16 on a 2-core CPU, forwards of the serving backend at a ~150-token cache (ms; 1, 3, 4,
+        7 slots): 29.9, 52.6, 57.0, 78.7 at 16 rows, 26.6, 42.5, 47.3, 63.5 at 12; a straight line fitted over
+        these and the cells at 1-14 rows reads 32.1 and 48.3 ms at 16 rows for 1 and 3 slots, the lossless
+        mode at block size 2 then 4% ahead of tau = 1, which is 12% faster (this shape: 29.7 and 50.8), and in
+        ``bench_serve`` at 16 streams the policy ran that lossless width for 95% of its steps.
+        The shape is fitted over every cell of every window at once (least squares, each cell weighted by its
+        samples, over the well-measured cells where they determine it; c, d and e kept >= 0: a step never gets
+        cheaper with more rows or tokens). Why one shape: the
+        windows the policy is not settled in are measured only where it explored them, often at other loads,
+        and a line per window drawn through a few nearby batch sizes extrapolates badly: in-process on
+        SmolLM2 in bf16 the line through the 7-slot window's cells read 72 ms at 16 rows, where that forward
+        alone takes 92 ms, and in ``bench_serve`` at 16 streams the policy with such lines stayed at tau = 1
+        for 87% of its steps while lossless at block size 2, fixed, was 8% faster than tau = 1 fixed. The
+        cost per token forwarded is the same in every window."""
         if self._model is not None:
             return self._model
         self._unfitted = 0
@@ -674,9 +682,10 @@ def _median(values: deque) -> float:
     return ordered[mid] if len(values) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _shape(cells: list[tuple[int, int, float, int]]) -> tuple[float, float, float] | None:
-    """(a, c, d) >= 0 of seconds = a + c x batch + d x batch x slots, else without the term that fit below 0."""
-    for features in ((0, 1, 2), (0, 2), (0, 1)):
+def _shape(cells: list[tuple[int, int, float, int]]) -> tuple[float, float, float, float] | None:
+    """(a, c, d, e) >= 0 of seconds = a + c x batch + d x batch x slots + e x batch x [slots > 1], else without
+    the terms that fit below 0 (or that the cells do not determine: e needs two windows wider than one slot)."""
+    for features in ((0, 1, 2, 3), (0, 2, 3), (0, 1, 2), (0, 2), (0, 1)):
         fit = _least_squares(cells, features)
         if fit is not None and min(fit) >= 0.0:
             return fit
@@ -684,17 +693,17 @@ def _shape(cells: list[tuple[int, int, float, int]]) -> tuple[float, float, floa
 
 
 def _least_squares(cells: list[tuple[int, int, float, int]],
-                   features: tuple[int, ...]) -> tuple[float, float, float] | None:
-    """Weighted least squares of seconds on the chosen ``features`` of (1, batch, batch x slots) over
-    ``cells`` ``(batch, slots, seconds, samples)``; the terms left out are 0. None when the cells do not
-    determine the fit."""
-    x = np.array([(1.0, b, b * w) for b, w, _, _ in cells], dtype=float).reshape(-1, 3)[:, list(features)]
+                   features: tuple[int, ...]) -> tuple[float, float, float, float] | None:
+    """Weighted least squares of seconds on the chosen ``features`` of (1, batch, batch x slots,
+    batch x [slots > 1]) over ``cells`` ``(batch, slots, seconds, samples)``; the terms left out are 0. None
+    when the cells do not determine the fit."""
+    x = np.array([(1.0, b, b * w, b * (w > 1)) for b, w, _, _ in cells], dtype=float).reshape(-1, 4)[:, list(features)]
     root = np.sqrt([float(n) for _, _, _, n in cells])  # each cell counts as often as it was sampled
     solution, _, rank, _ = np.linalg.lstsq(x * root[:, None], np.array([s for _, _, s, _ in cells]) * root,
                                            rcond=None)
     if rank < len(features):
         return None
-    fit = [0.0, 0.0, 0.0]
+    fit = [0.0, 0.0, 0.0, 0.0]
     for feature, value in zip(features, solution):
         fit[feature] = float(value)
     return tuple(fit)
