@@ -14,7 +14,7 @@ each round one further along the list. Settings: ``1`` (tau = 1.0), a tau such a
 Printed per level and setting: generated tokens/s (the median round), the steps that took new prompts
 against those that only decoded (count and mean time), where the adaptive policy spent its steps, and
 the adaptive policy against the best fixed setting within each round (they ran back to back) and against
-tau = 1.0.
+tau = 1.0; with ``--costs``, the step costs the adaptive policy measured against its cost model.
 
     python benchmarks/bench_engine.py --model build/study-smollm2/checkpoints/mars/final \\
         --data build/study-smollm2/data/prepared --dtype bfloat16 --threads 2 --levels 1:24,4:48,16:96
@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=16, help="requests at 4 streams per setting before measuring")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--costs", action="store_true",
+                        help="after each level, the adaptive policy's measured step costs against its cost model")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats: must be >= 1, got {args.repeats}")
@@ -193,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                 for setting in settings[turn:] + settings[:turn]:
                     rounds[setting.name].append(measure(setting, items, phases, args.max_tokens))
             report(level, rounds)
+            if args.costs:
+                for setting in settings:
+                    if setting.name == "adaptive":
+                        report_costs(setting.engine.policy)
     finally:
         for setting in settings:
             setting.engine.close(drain=False, timeout=30)
@@ -227,6 +233,15 @@ def report(level: str, rounds: dict[str, list[dict]]) -> None:
         ratio = [a / rounds[one][k]["tokens_per_s"] for k, a in enumerate(adaptive)]
         print(f"  adaptive / tau = 1.0 in each round: {', '.join(f'{x:.3f}' for x in ratio)} "
               f"(median {statistics.median(ratio):.3f}x)")
+
+
+def report_costs(policy) -> None:
+    """The adaptive policy's decoding cells: the median of a cell's last samples, how many, and what its cost
+    model reads there (the policy compares arms on the model wherever a compared window is thinly measured)."""
+    print(f"  {'':>11}  step costs (ms) by rows x window: median (samples) / model")
+    for batch, slots, seconds, samples, model in policy.cost_cells():
+        print(f"  {'':>11}    {batch:2d} x {slots}: {1000 * seconds:6.1f} ({samples:2d}) / "
+              f"{'-' if model is None else f'{1000 * model:.1f}'}")
 
 
 if __name__ == "__main__":

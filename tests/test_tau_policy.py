@@ -111,6 +111,9 @@ def test_a_thinly_measured_step_cost_is_read_off_one_cost_model_over_every_windo
     assert policy.step_cost(16, B) == pytest.approx(true(16, B))
     assert policy.step_cost(12, 1) == pytest.approx(true(12, 1))  # not the one 50 ms sample
     assert policy.step_cost(16, 3) is None  # a window never measured: explore it first
+    cells = policy.cost_cells()  # what a benchmark shows: each cell's median and samples beside the model
+    assert cells[0] == (2, B, pytest.approx(true(2, B)), 5, pytest.approx(true(2, B)))
+    assert (12, 1, 0.050, 1, pytest.approx(true(12, 1))) in cells and len(cells) == 8
     noisy = AdaptiveTau(TauRange(default=0.9, floor=0.5), cell_samples=5)
     for k in range(5):
         for batch, slots in ((4, 1), (8, 1), (16, 1), (2, B), (4, B), (2, 7), (4, 7)):

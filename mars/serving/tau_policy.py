@@ -410,6 +410,12 @@ class AdaptiveTau:
         a, c, d, e = shape
         return a + c * batch + d * batch * slots + (e * batch if slots > 1 else 0.0)
 
+    def cost_cells(self) -> list[tuple[int, int, float, int, float | None]]:
+        """Every decoding cell measured: ``(batch, slots, median seconds, samples, the cost model's seconds)``,
+        sorted; what :meth:`step_cost` reads the cell's median against (benchmarks print it)."""
+        return sorted((batch, slots, seconds, len(self._recent[(batch, slots)]), self.step_cost(batch, slots, True))
+                      for (batch, slots), seconds in list(self.cost.items()))
+
     def _whole_step_cost(self, batch: int, slots: int) -> float | None:
         """A window never measured decoding alone, priced by its whole steps (prompts included) once an
         exploration's worth of them (2 x ``explore_steps``) says no decoding step is coming: where every
