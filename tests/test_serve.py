@@ -477,6 +477,50 @@ def test_a_step_with_the_drafts_of_another_lossless_width_is_not_counted_as_the_
         assert accepted == ({} if moved else {arm: (tokens, 1)}), (k, arm)
 
 
+def test_engines_side_by_side_are_stepped_by_one_thread_and_each_drains_on_close():
+    """Two engines in one process (a hot swap's old and new release, a benchmark's settings) share the
+    process's step thread: both decode their requests as they would alone, every step of either runs on
+    that one thread, and close(drain=True) returns once an engine's last request finished."""
+    import asyncio
+    import threading
+
+    from mars.serving.engine import Engine, Finished, GenerationRequest
+    from mars.serving.served_model import ServedModel
+    from mars.serving.tau_policy import FixedTau, TauRange
+
+    model = confident_model()
+    prompts = [list(range(3, 9)), list(range(20, 24)), list(range(40, 47))]
+
+    class Watched(FixedTau):  # the fixed policy, noting the thread each step runs on
+        def __init__(self):
+            super().__init__(TauRange(1.0, 1.0))
+            self.threads = set()
+
+        def observe(self, *args, **kwargs):
+            self.threads.add(threading.get_ident())
+
+    policies = [Watched(), Watched()]
+    engines = [Engine(ServedModel(f"m{i}", None, lambda: TorchBackend(model), B, 95, [], None, 1.0, 1.0), policy)
+               for i, policy in enumerate(policies)]
+
+    async def run():
+        loop = asyncio.get_running_loop()
+
+        async def one(engine, prompt):
+            events = [e async for e in engine.submit(GenerationRequest(prompt, 20), loop).events()]
+            return events[-1]
+
+        return await asyncio.gather(*(one(e, p) for e in engines for p in prompts))
+
+    results = asyncio.run(run())
+    assert [engine.close(drain=True, timeout=30) for engine in engines] == [True, True]
+    alone = [generate(model, None, [p], tau=1.0, max_new_tokens=20)[0].token_ids for p in prompts]
+    assert all(isinstance(r, Finished) for r in results)
+    assert [r.token_ids for r in results] == alone + alone
+    stepped_on = policies[0].threads | policies[1].threads
+    assert len(stepped_on) == 1 and stepped_on != {threading.get_ident()}
+
+
 def test_top_p_samples_only_inside_the_nucleus():
     logits = torch.tensor([[4.0, 3.0, 1.0, 0.0, -1.0]])
     probs = filtered_probs(logits, 1.0, 0.8)

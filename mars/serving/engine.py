@@ -1,4 +1,4 @@
-"""The serving engine: one model, one thread that steps its batch, requests joining at the next step.
+"""The serving engine: one model, its batch stepped by the process's step thread, requests joining at the next step.
 
 Continuous batching at the level of decoding steps (:class:`mars.decoding.loop.CachedBatch`, the same
 core :func:`mars.decoding.loop.generate` drives): before every step the engine moves waiting requests
@@ -29,6 +29,7 @@ from mars.decoding.sampling import Sampler, SamplingParams
 from mars.decoding.stop_strings import StopStrings
 from mars.errors import MarsError
 from mars.serving.served_model import ServedModel
+from mars.serving.step_thread import StepThread
 from mars.serving.tau_policy import arm_block_size, arm_of, is_lossless
 
 log = logging.getLogger("mars.serve")
@@ -113,10 +114,11 @@ class Engine:
         self.waiting: deque[tuple[DecodeRow, RequestHandle]] = deque()
         self.handles: dict[int, RequestHandle] = {}  # id(row) -> handle, rows in the batch
         self._arm_before: dict[int, object] = {}  # id(row) -> the arm it decoded at in the last step
-        self.cv = threading.Condition()
         self.accepting, self.stopping = True, False
-        self.thread = threading.Thread(target=self._run, name=f"mars-engine-{model.name}-{model.version}", daemon=True)
-        self.thread.start()
+        self.finished = threading.Event()  # closed, and nothing left to step
+        stepper = StepThread.shared()  # one thread steps every engine of the process (see step_thread)
+        self.cv = stepper.cv
+        stepper.add(self)
 
     def _new_batch(self) -> CachedBatch:
         return CachedBatch(self.model.new_backend(), block_size=self.model.block_size or 1, stop_ids=self.stop_ids,
@@ -162,35 +164,36 @@ class Engine:
 
     def close(self, drain: bool = True, timeout: float | None = None) -> bool:
         """Take no new requests; with ``drain`` finish the taken ones (else fail them). True when the
-        engine thread ended within ``timeout``."""
+        engine finished within ``timeout``."""
         with self.cv:
             self.accepting = False
             if not drain:
                 self._fail_all(Closed("the server is shutting down"))
             self.stopping = True
             self.cv.notify()
-        self.thread.join(timeout)
-        return not self.thread.is_alive()
+        return self.finished.wait(timeout)
 
-    # -- the stepping thread --------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
+    # -- the step thread (mars.serving.step_thread) ------------------------------------------------------
+    def take(self) -> list[DecodeRow] | None:
+        """Called holding ``cv``: the waiting rows that join the next step (as many as fit), or None when
+        there is nothing to step (a closing engine is then finished)."""
+        if not self.waiting and not self.handles:
+            if self.stopping:
+                self.finished.set()
+            return None
+        joining = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(self.handles)))]
+        for row, handle in joining:
+            self.handles[id(row)] = handle
+        return [row for row, _ in joining]
+
+    def step(self, joining: list[DecodeRow]) -> None:
+        try:
+            self._step(joining)
+        except Exception as err:  # a failed step fails its requests, not the server
+            log.exception("decoding step failed")
             with self.cv:
-                while not self.waiting and not self.handles and not self.stopping:
-                    self.cv.wait()
-                if self.stopping and not self.waiting and not self.handles:
-                    return
-                joining = [self.waiting.popleft() for _ in range(min(len(self.waiting),
-                                                                      self.max_batch - len(self.handles)))]
-                for row, handle in joining:
-                    self.handles[id(row)] = handle
-            try:
-                self._step([row for row, _ in joining])
-            except Exception as err:  # a failed step fails its requests, not the server
-                log.exception("decoding step failed")
-                with self.cv:
-                    self._fail_all(MarsError(f"decoding failed: {type(err).__name__}: {err}"), waiting=False)
-                self.batch = self._new_batch()
+                self._fail_all(MarsError(f"decoding failed: {type(err).__name__}: {err}"), waiting=False)
+            self.batch = self._new_batch()
 
     def _step(self, joining: list[DecodeRow]) -> None:
         # The cost the policy weighs is the whole iteration (joining rows, the step, handing tokens out):
