@@ -11,8 +11,11 @@ thread instead of each owning one: it steps each engine that has work in turn, o
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import ClassVar, Protocol
+
+log = logging.getLogger("mars.serve")
 
 
 class Steppable(Protocol):
@@ -55,4 +58,7 @@ class StepThread:
                         break
                     self.cv.wait()
             for engine, rows in turn:
-                engine.step(rows)
+                try:
+                    engine.step(rows)
+                except Exception:  # the engine fails its own requests; whatever escapes must not stop the others
+                    log.exception("stepping an engine failed")
