@@ -237,11 +237,23 @@ def test_no_arm_is_estimated_below_one_token_a_row():
     all fail): scaled by that ratio, tau = 0.9 would read a third of a token a row."""
     policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(),
                          explore_every=10 ** 6)
-    drive(policy, 60, lambda step: 3.0 if step < 30 else 1.0, {LOSSLESS: 1.0, 0.9: 1 / 3},
+    drive(policy, 80, lambda step: 3.0 if step < 30 else 1.0, {LOSSLESS: 1.0, 0.9: 1 / 3},
           {1: 0.010, B: 0.011, 2 * B - 1: 0.011})
     assert policy._ratio(0.9, LOSSLESS) == pytest.approx(1 / 3, rel=0.05)
     assert policy.tokens_per_forward(LOSSLESS) == pytest.approx(1.0)
     assert policy.tokens_per_forward(0.9) == 1.0
+
+
+def test_at_many_rows_tokens_per_forward_spans_at_least_tpf_steps_steps():
+    """128 row-steps are 8 steps of 16 rows: a few steps on easy requests would be the whole estimate. The
+    level also spans ``tpf_steps`` steps, so 8 easy steps after 100 ordinary ones move it by a quarter of
+    their gain, not all of it."""
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(),
+                         explore_every=10 ** 6)
+    drive(policy, 108, lambda step: 2.0 if step >= 100 else 1.0, {LOSSLESS: 1.5, 0.9: 1.2},
+          {1: 0.010, B: 0.011, 2 * B - 1: 0.011}, rows=16)
+    assert policy._settled == LOSSLESS
+    assert policy.tokens_per_forward(LOSSLESS) == pytest.approx(1.5 * (24 + 8 * 2) / 32, rel=0.05)
 
 
 def test_the_paired_ratio_is_one_number_whichever_arm_was_explored():

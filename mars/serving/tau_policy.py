@@ -25,7 +25,7 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   tokens after the prefix cache, ~25 generated a request), and counting the decoding steps alone the
   policy ran lossless at block size 2 for 98% of its steps, where tau = 1 fixed was 18% faster than it.
 * tokens/forward is estimated on the latest requests and compared on the same ones. The policy rows'
-  last ``tpf_samples`` row-steps (at whatever arm they ran) give the level; an arm's estimate is that
+  last ``tpf_samples`` row-steps, and at least ``tpf_steps`` steps (at whatever arm they ran), give the level; an arm's estimate is that
   level with each step's tokens scaled by a paired ratio between the arm it ran at and the arm asked
   about (:meth:`AdaptiveTau.tokens_per_forward`). A pair's ratio comes from explorations: each is
   bracketed by the settled arm's steps just before and just after on the same rows, and the ratio is
@@ -172,7 +172,8 @@ class AdaptiveTau:
 
     name = "adaptive"
 
-    def __init__(self, taus: TauRange, *, tpf_samples: int = 128, pair_samples: int = 1024, pair_trust: int = 48,
+    def __init__(self, taus: TauRange, *, tpf_samples: int = 128, tpf_steps: int = 32, pair_samples: int = 1024,
+                 pair_trust: int = 48,
                  cost_samples: int = 15,
                  cell_samples: int = 5, explore_steps: int = 3, explore_rows: int = 12,
                  explore_every: int = 150, explore_within: float = 0.2, explore_far_every: int = 600,
@@ -184,8 +185,13 @@ class AdaptiveTau:
         self.candidates: list[Arm] = sorted(candidates) if candidates else taus.candidates()
         if lossless:  # narrow arms only where the batch's B is wider (see _open)
             self.candidates += [LOSSLESS, *(narrow_lossless(w) for w in sorted(set(lossless_block_sizes)) if w >= 2)]
-        # tokens/forward of an arm: over its last `tpf_samples` row-steps (a step of 16 rows counts 16)
-        self.tpf_samples, self.cost_samples, self.cell_samples = tpf_samples, cost_samples, cell_samples
+        # tokens/forward of an arm: over its last `tpf_samples` row-steps (a step of 16 rows counts 16), and at
+        # least `tpf_steps` steps: at 16 rows 128 row-steps are 8 steps, and settled at tau = 1 (whose steps hold
+        # nothing to learn) the level was the last two or three explorations; in-process on SmolLM2 at 16 streams
+        # the lossless arms' estimates then moved by 10-15% between rescorings (1.53 -> 1.71, 1.65 -> 1.90 ->
+        # 1.61 for block size 2), and each jump moved the policy
+        self.tpf_samples, self.tpf_steps = tpf_samples, tpf_steps
+        self.cost_samples, self.cell_samples = cost_samples, cell_samples
         # a paired ratio is a property of the model and the traffic, not of the load: a long memory
         self.pair_samples = pair_samples
         # the settled arm moves to another arm but tau = 1 (whose yield is known) only once their explorations
@@ -299,14 +305,14 @@ class AdaptiveTau:
     def _new_samples(self) -> deque:  # a cell's last `cost_samples` seconds
         return deque(maxlen=self.cost_samples)
 
-    def _new_tpf_window(self) -> SlidingSums:  # the last `tpf_samples` rows' (tokens, rows)
+    def _new_tpf_window(self) -> SlidingSums:  # the last `tpf_samples` rows' (tokens, rows), `tpf_steps` steps
         return SlidingSums(2, self._holds_tpf_samples)
 
     def _new_pair_pool(self) -> SlidingSums:  # a pair's (a tokens, a rows, b tokens, b rows) per exploration
         return SlidingSums(4, lambda sums, steps: min(sums[1], sums[3]) >= self.pair_samples)
 
     def _holds_tpf_samples(self, sums: tuple[int, int], steps: int) -> bool:
-        return sums[1] >= self.tpf_samples  # sums: (tokens, rows)
+        return sums[1] >= self.tpf_samples and steps >= self.tpf_steps  # sums: (tokens, rows)
 
     def prompt_cost(self, batch: int, slots: int) -> float:
         """Seconds of joining prompts per generated token while ``batch`` rows decode ``slots``-wide windows:
