@@ -24,19 +24,19 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   load that decides: on SmolLM2 in bf16 on a 2-core CPU at 16 streams about half the steps take a prompt (62
   tokens after the prefix cache, ~25 generated a request), and counting the decoding steps alone the
   policy ran lossless at block size 2 for 98% of its steps, where tau = 1 fixed was 18% faster than it.
-* tokens/forward is estimated on the latest requests and compared on the same ones. The policy rows'
-  last ``tpf_samples`` row-steps, and at least ``tpf_steps`` steps (at whatever arm they ran), give the level; an arm's estimate is that
-  level with each step's tokens scaled by a paired ratio between the arm it ran at and the arm asked
-  about (:meth:`AdaptiveTau.tokens_per_forward`). A pair's ratio comes from explorations: each is
-  bracketed by the settled arm's steps just before and just after on the same rows, and the ratio is
+* tokens/forward is estimated on the latest requests and compared on the same ones. The policy rows' last
+  ``tpf_samples`` row-steps, and at least ``tpf_steps`` steps (at whatever arm they ran), give the level; an
+  arm's estimate is that level with each step's tokens scaled by a paired ratio between the arm it ran at
+  and the arm asked about (:meth:`AdaptiveTau.tokens_per_forward`). A pair's ratio comes from explorations:
+  each is bracketed by the settled arm's steps just before and just after on the same rows, and the ratio is
   tokens/forward over the explorations against the brackets' (pooled over the last ``pair_samples``
   row-steps of each side: it is a property of the model and the traffic, not of the load). Why paired:
-  tokens/forward depends on the request (how predictable its text is) far more than on the tau, and a
-  window of an arm's own steps holds the requests it happened to run on, so comparing two arms' windows
-  compared requests, not arms (on the default profile's toy the windows read the lossless mode 1.81
-  against tau = 0.9's 3.32 while, decoded side by side, lossless was the faster fixed setting). tau = 1
-  yields exactly one token a row. A lone row's tokens swing from step to step, so the settled arm moves
-  to an arm it pairs only once their explorations hold ``pair_trust`` row-steps of each.
+  tokens/forward depends on the request (how predictable its text is) far more than on the tau, and a window
+  of an arm's own steps holds the requests it happened to run on, so comparing two arms' windows compared
+  requests, not arms (on the default profile's toy the windows read the lossless mode 1.81 against tau =
+  0.9's 3.32 while, decoded side by side, lossless was the faster fixed setting). tau = 1 yields exactly one
+  token a row. A lone row's tokens swing from step to step, so the settled arm moves to an arm it pairs only
+  once their explorations hold ``pair_trust`` row-steps of each.
 * a row moved into the lossless mode has no drafts for one step (it yields one token), and a row moved to
   another lossless width steps once with the old width's drafts (narrowed, it verifies all B-1 of them;
   widened, its one): the engine leaves that step out of the arm's tokens/forward (counted, it had the
