@@ -173,10 +173,9 @@ class AdaptiveTau:
     name = "adaptive"
 
     def __init__(self, taus: TauRange, *, tpf_samples: int = 128, tpf_steps: int = 32, pair_samples: int = 1024,
-                 pair_trust: int = 48,
-                 cost_samples: int = 15,
-                 cell_samples: int = 5, explore_steps: int = 3, explore_rows: int = 12,
-                 explore_every: int = 150, explore_within: float = 0.2, explore_far_every: int = 600,
+                 pair_trust: int = 48, cost_samples: int = 15, cell_samples: int = 5, explore_steps: int = 3,
+                 explore_rows: int = 12, explore_every: int = 150, explore_within: float = 0.2,
+                 explore_far_every: int = 600,
                  rescore_every: int = 16, load_steps: int = 32, refit_every: int = 64, switch_margin: float = 0.05,
                  enter_margin: float = 0.01, pair_gap: int = 4,
                  flow_steps: int = 512, candidates: Sequence[float] | None = None, lossless: bool = False,
