@@ -61,11 +61,10 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   and, settled from the release's tau, the policy spent part of a bursty trace there).
 * the lossless mode also comes narrower (``lossless_block_sizes``, default 2): at block size w < B a row
   forwards w - 1 drafts and w - 1 masks, a 2w-1 window, for the same greedy tokens. The width is a knob
-  load turns: on SmolLM2 in bf16 a 7-slot forward costs 1.08x a 1-slot one at batch 1 and 2.07x at batch
-  16, and in ``bench_serve`` lossless at block size 2 was 1-6% ahead of it at 1, 4 and 16 streams (fewer
-  tokens/forward at 4 and 16 streams, 1.53-1.55 against 1.70-1.74, for a cheaper step; more at one
-  stream, where a wrong third draft costs a step without drafts). Moving between lossless widths keeps a
-  row's drafts (a narrower row verifies what it has).
+  load turns: on SmolLM2 in bf16 on a 2-core CPU a 7-slot step costs 1.03-1.06x a 1-slot one at batch 1
+  and 1.9-2.0x at batch 16, a 3-slot step 1.0x and 1.35x, and in ``bench_serve`` lossless at block size 2
+  was 7% behind B at one stream and 6% ahead of it at 16 streams (1.56 tokens/forward against 1.82, for a
+  cheaper step). Moving between lossless widths keeps a row's drafts (a narrower row verifies what it has).
 
 Unmeasured candidates are tried first, and every ``explore_every``-th decision re-measures the candidate
 measured longest ago (of those predicted within ``explore_within`` of the best; one further behind only
