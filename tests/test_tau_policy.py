@@ -7,7 +7,7 @@ from typing import Callable
 
 import pytest
 
-from mars.serving.tau_policy import LOSSLESS, AdaptiveTau, DraftAcceptance, TauRange, narrow_lossless
+from mars.serving.tau_policy import LOSSLESS, AdaptiveTau, TauRange, narrow_lossless
 
 B = 4
 NARROW = narrow_lossless(2)  # the lossless mode at block size 2: the last token, a draft and a mask
@@ -447,53 +447,3 @@ def test_a_candidate_far_behind_the_best_is_re_measured_only_now_and_then():
     drive(policy, 2400, lambda step: 1.0, {LOSSLESS: 2.0, 0.9: 1.9}, {1: 0.010, B: 0.010, 2 * B - 1: 0.010}, rows=4)
     # tau = 1 yields 1 token against the lossless mode's 2: 50% behind; tau = 0.9 5%
     assert explored.count(0.9) > 30 and 2 <= explored.count(1.0) <= 5, explored
-
-
-def test_the_drafts_say_what_each_lossless_width_yields():
-    """A step with drafts takes one token plus the drafts that hold, and after a wrong draft the next step has
-    none: from c_j, how often draft j holds once the ones before it held, a width w yields 1 + E / (2 - q)
-    tokens a step (E = c_1 + c_1 c_2 + ..., q = c_1 ... c_{w-1}). A width's steps tell every narrower width's
-    yield (draft j is the same at every width that makes it), over the last ``window`` row-steps."""
-    drafts = DraftAcceptance(window=100)
-    assert drafts.tokens_per_forward(2, enough=1) is None
-    for _ in range(10):  # B's steps, three drafts each: four keep all, three keep two, two keep one, one none
-        for kept in (3, 3, 3, 3, 2, 2, 2, 1, 1, 0):
-            drafts.add(3, kept)
-    c1, c2, c3 = 9 / 10, 7 / 9, 4 / 7
-    assert drafts.tokens_per_forward(2, enough=1) == pytest.approx(1 + c1 / (2 - c1))
-    assert drafts.tokens_per_forward(3, enough=1) == pytest.approx(1 + (c1 + c1 * c2) / (2 - c1 * c2))
-    assert drafts.tokens_per_forward(4, enough=1) == pytest.approx(
-        1 + (c1 + c1 * c2 + c1 * c2 * c3) / (2 - c1 * c2 * c3))
-    assert drafts.tokens_per_forward(4, enough=71) is None  # the third draft was checked 70 times
-    for _ in range(100):  # block size 2's steps, whose one draft always holds, push B's out of the window
-        drafts.add(1, 1)
-    assert drafts.tokens_per_forward(2, enough=100) == 2.0
-    assert drafts.tokens_per_forward(3, enough=1) is None  # no step in the window checked a second draft
-
-
-def test_two_lossless_widths_compare_by_their_drafts_not_by_a_few_paired_explorations():
-    """The policy predicts one lossless width from the other by the drafts every lossless step checked, at
-    either width, once each draft position was checked ``pair_trust`` times, whatever its explorations of the
-    narrow width happened to yield (here every one of them on text where its draft always holds: paired, B
-    would read no better than block size 2; on SmolLM2 paired explorations read B / block size 2 at
-    1.04-1.06 where the two decoded 1.15-1.17 apart)."""
-    policy = AdaptiveTau(TauRange(1.0, 1.0), lossless=True, pair_trust=48)  # candidates: 1, B, block size 2
-    reference = DraftAcceptance(window=10_000)
-    b_kept = iter([3, 2, 1, 0] * 100)  # B's steps: three drafts, kept 3, 2, 1 and 0 in turn
-    arms = []
-    for _ in range(300):
-        arm = policy.choose([], 1, B)
-        arms.append(arm)
-        if arm == LOSSLESS:
-            kept = next(b_kept)
-            policy.observe(1, 2 * B - 1, 0.010, {LOSSLESS: (kept + 1, 1)}, drafts=[(3, kept)])
-            reference.add(3, kept)
-        elif arm == NARROW:
-            policy.observe(1, 3, 0.010, {NARROW: (2, 1)}, drafts=[(1, 1)])
-            reference.add(1, 1)
-        else:
-            policy.observe(1, 1, 0.010, {1.0: (1, 1)})
-    assert NARROW in arms and arms.count(LOSSLESS) > 200
-    ratio = reference.tokens_per_forward(2, enough=1) / reference.tokens_per_forward(B, enough=1)
-    assert ratio < 0.95
-    assert policy.tokens_per_forward(NARROW) == pytest.approx(policy.tokens_per_forward(LOSSLESS) * ratio)

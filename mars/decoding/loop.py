@@ -307,7 +307,6 @@ class RowUpdate:
     token_ids: list[int] | None = None
     forwards: int = 0
     stopped: bool = False
-    drafts: tuple[int, int] | None = None  # a lossless row's drafts checked and kept (None: none checked, or it stopped)
 
 
 class CachedBatch:
@@ -575,10 +574,6 @@ class CachedBatch:
         done = stopped | (self.room_left == 0)
         updates = {k: RowUpdate(rows[k], seq[k, before[k]: length[k]].tolist()) for k in streamed
                    if length[k] > before[k] or done[k]}
-        checked = torch.where(lossless & (n > 0) & ~stopped, drafts, 0)
-        for k in checked.nonzero()[:, 0].tolist():
-            if k in updates:
-                updates[k].drafts = (int(checked[k]), int(n[k]) - 1)
         self.free = done.nonzero()[:, 0].tolist()
         for k in self.free:
             update = updates.setdefault(k, RowUpdate(rows[k], []))
