@@ -692,7 +692,7 @@ def test_a_block_larger_than_the_models_context_is_refused():
 def test_grouped_query_heads_stacked_as_queries_give_transformers_attention_bit_for_bit(dtype):
     """A window of several queries on a GQA model (4 query heads, 2 key/value heads): the lean forward
     stacks the query heads of a key/value head as queries instead of repeating the cache span per head,
-    and gets exactly what transformers' sdpa attention gets (one query: transformers' own path)."""
+    and gets exactly what transformers' sdpa attention gets, at one query too (where transformers stacks them)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     model = mars_model("llama", "sdpa").to(dtype)
@@ -715,7 +715,8 @@ def test_grouped_query_heads_stacked_as_queries_give_transformers_attention_bit_
 def test_the_greedy_token_is_the_first_of_tied_maxima_as_hf_greedy_takes_it():
     from mars.decoding.loop import greedy_tokens
 
-    logits = torch.tensor([[[0.5, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]], [[-1.0, -4.0, -1.0, -1.0], [0.0, 1.0, 0.0, 1.0]]])
+    logits = torch.tensor([[[0.5, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]],
+                           [[-1.0, -4.0, -1.0, -1.0], [0.0, 1.0, 0.0, 1.0]]])
     for dtype in (torch.float32, torch.bfloat16):
         assert greedy_tokens(logits.to(dtype)).tolist() == [[1, 0], [0, 1]]
     wide = torch.randn(3, 5, 49153).bfloat16()  # a real vocabulary's width, bf16 as served: many exact ties
