@@ -253,6 +253,7 @@ def test_at_many_rows_tokens_per_forward_spans_at_least_tpf_steps_steps():
     drive(policy, 108, lambda step: 2.0 if step >= 100 else 1.0, {LOSSLESS: 1.5, 0.9: 1.2},
           {1: 0.010, B: 0.011, 2 * B - 1: 0.011}, rows=16)
     assert policy._settled == LOSSLESS
+    policy.flush()  # the last steps, as the engine's next decision files them
     assert policy.tokens_per_forward(LOSSLESS) == pytest.approx(1.5 * (24 + 8 * 2) / 32, rel=0.05)
 
 
@@ -447,3 +448,18 @@ def test_a_candidate_far_behind_the_best_is_re_measured_only_now_and_then():
     drive(policy, 2400, lambda step: 1.0, {LOSSLESS: 2.0, 0.9: 1.9}, {1: 0.010, B: 0.010, 2 * B - 1: 0.010}, rows=4)
     # tau = 1 yields 1 token against the lossless mode's 2: 50% behind; tau = 0.9 5%
     assert explored.count(0.9) > 30 and 2 <= explored.count(1.0) <= 5, explored
+
+
+def test_about_as_large_a_share_of_steps_explores_at_one_row_as_at_four():
+    """A paired exploration lasts ``explore_rows`` row-steps: 12 steps of one row, 3 of four. The regular turn
+    comes as much less often where an exploration lasts longer (every 600 decisions at one row, 150 at four), so
+    the share of the steps spent exploring does not grow as the load falls."""
+
+    def exploring(rows: int) -> float:
+        policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=())
+        arms = drive(policy, 6000, lambda step: 1.0, {LOSSLESS: 2.0, 0.9: 1.95}, {1: 0.010, B: 0.010, 2 * B - 1: 0.010},
+                     rows=rows)
+        return 1 - len(arms) / 6000
+
+    one, four = exploring(1), exploring(4)
+    assert one < 1.5 * four and one < 0.05, (one, four)

@@ -66,9 +66,12 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   was 7% behind B at one stream and 6% ahead of it at 16 streams (1.56 tokens/forward against 1.82, for a
   cheaper step). Moving between lossless widths keeps a row's drafts (a narrower row verifies what it has).
 
-Unmeasured candidates are tried first, and every ``explore_every``-th decision re-measures the candidate
-measured longest ago (of those predicted within ``explore_within`` of the best; one further behind only
-every ``explore_far_every`` decisions), so the estimates follow the load. An exploration lasts
+Unmeasured candidates are tried first, and every ``explore_every`` decisions the policy re-measures the
+candidate measured longest ago (of those predicted within ``explore_within`` of the best; one further
+behind only every ``explore_far_every`` decisions), so the estimates follow the load. Both turns come as
+much less often as a paired exploration lasts longer than ``explore_steps`` steps at the load's rows (at
+one row 12 steps: every 600 decisions), so that ~2% of the steps explore at any load: every 150, on the
+default profile's toy at one stream 12% of the steps explored (in-process, 288 requests). An exploration lasts
 ``explore_steps`` steps, or ``explore_rows`` row-steps where it pairs arms (12 steps of a lone row: see
 :meth:`AdaptiveTau._explore`). An arm predicted ahead of the settled one by the margin, but on fewer
 than ``pair_trust`` paired row-steps, is explored at once and again ``pair_gap`` exploration lengths after
@@ -250,8 +253,10 @@ class AdaptiveTau:
         # the policy rows' last row-steps at any arm but tau = 1: (tokens, rows), by arm
         self._level = self._new_tpf_window()
         self._phase: str | None = None  # "explore" or "settled": what the step being taken is
+        self._pending: list[tuple] = []  # steps observed, not filed yet (see observe)
         self.last_seen: dict[Arm, int] = {}  # decision count when each candidate last ran
         self.decisions = 0
+        self._turn_at = 0  # the decision the last regular exploration began at
         self.arm: Arm = taus.default  # the last choice
         self._exploring: tuple[Arm, int] | None = None  # (arm, steps left)
         self._extended = 0  # steps the exploration under way was lengthened by (steps that took prompts)
@@ -266,7 +271,30 @@ class AdaptiveTau:
                 prompt_tokens: int = 0) -> None:
         """One iteration of ``batch`` rows reading ``slots`` slots each (2B-1: some row is lossless) took
         ``seconds``; ``prompt_tokens``: the joining prompts' tokens it forwarded (0: a decoding step);
-        ``accepted[arm] = (tokens, rows)`` for the rows at each tau and in the lossless mode."""
+        ``accepted[arm] = (tokens, rows)`` for the rows at each tau and in the lossless mode.
+
+        A step of an exploration is filed at once (its length and bracket depend on it); the others are
+        filed together at the next decision that scores or explores, or after ``rescore_every`` of them
+        (:meth:`flush`): nothing decides on them before. On the default profile's toy (a ~1.4 ms step) filed
+        one at a time, between forwards, they took ~30 us a step, filed 16 at a time ~13 us (an ad-hoc
+        timing in-process at one stream): the policy's code and data stay in the CPU's caches through a batch."""
+        phase, self._phase = self._phase, None
+        self._pending.append((batch, slots, seconds, accepted, prompt_tokens, phase, self.arm))
+        if phase == "explore" or len(self._pending) >= self.rescore_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """File the steps observed since the last flush, in order (see :meth:`observe`). The engine's thread
+        does so before every decision and reading that needs them; /metrics, on another thread, reads what
+        is filed (up to ``rescore_every`` steps ago)."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for record in pending:
+                self._file(*record)
+
+    def _file(self, batch: int, slots: int, seconds: float, accepted: dict[Arm, tuple[int, int]],
+              prompt_tokens: int, phase: str | None, arm: Arm) -> None:
+        """One observed step (see :meth:`observe`): ``phase`` and ``arm``, what the policy rows took it as."""
         self._flow.add((prompt_tokens, sum(tokens for tokens, _ in accepted.values())))
         if prompt_tokens:  # what the prompts cost beyond the decoding step they joined (see prompt_cost)
             if slots in self._cost_model()[1]:
@@ -277,12 +305,12 @@ class AdaptiveTau:
                 self.prompt_token_cost[(batch, slots)] = _median(recent)
             else:  # a window not measured decoding alone yet: the whole step (see _whole_step_cost)
                 _cell(self._whole, (batch, slots), self._new_samples).append(seconds)
-            if self._phase == "explore" and self._extended < self.explore_steps:
+            if phase == "explore" and self._extended < self.explore_steps:
                 # a step that took prompts measured no decoding step: explore one more (over HTTP at 16 streams
                 # most steps take one, and SmolLM2's 16-row 1-slot cell went unmeasured through 500 steps)
                 self._extended += 1
-                arm, left = self._exploring or (self.arm, 0)
-                self._exploring = (arm, left + 1)
+                explored, left = self._exploring or (arm, 0)
+                self._exploring = (explored, left + 1)
         else:
             if (batch, slots) not in self._recent:  # a new cell: a window the model may not know yet
                 self._model = None
@@ -292,12 +320,12 @@ class AdaptiveTau:
             self._unfitted += 1
             if self._unfitted >= self.refit_every:
                 self._model = None
-        for arm, (tokens, rows) in accepted.items():
-            if rows and arm != 1.0 and arm in self.candidates:  # a request's own tau is not a candidate
-                window = _cell(self._accepted, arm, self._new_tpf_window)
+        for row_arm, (tokens, rows) in accepted.items():
+            if rows and row_arm != 1.0 and row_arm in self.candidates:  # a request's own tau is not a candidate
+                window = _cell(self._accepted, row_arm, self._new_tpf_window)
                 window.add((tokens, rows))
-                self.tpf[arm] = window.total[0] / window.total[1]
-        self._pair(accepted.get(self.arm))
+                self.tpf[row_arm] = window.total[0] / window.total[1]
+        self._pair(accepted.get(arm), phase, arm)
 
     # what a cell, arm or pair starts with (see _cell)
     def _new_samples(self) -> deque:  # a cell's last `cost_samples` seconds
@@ -325,32 +353,32 @@ class AdaptiveTau:
         mostly at one stream (0.32 ms a token), were charged that at 16 rows, where they cost ~1 ms, and
         the policy ran the mode through bursty traces' 16-stream phases, where it was 22% slower than
         tau = 1 fixed."""
+        self.flush()
         prompt, generated = self._flow.total
         if not prompt or not generated or not self.prompt_token_cost:
             return 0.0
         near = _nearest(self._priced_windows, batch)
         return prompt / generated * self.prompt_token_cost[(near, _nearest(self._priced_windows[near], slots))]
 
-    def _pair(self, step: tuple[int, int] | None) -> None:
-        """File the step the policy rows just took at ``self.arm`` (``(tokens, rows)``; None: none counted,
-        a step without drafts) into the open bracket, or as one of the settled arm's last steps."""
-        phase, self._phase = self._phase, None
+    def _pair(self, step: tuple[int, int] | None, phase: str | None, arm: Arm) -> None:
+        """File the step the policy rows took at ``arm`` (``(tokens, rows)``; None: none counted, a step
+        without drafts) in ``phase`` into the open bracket, or as one of the settled arm's last steps."""
         if phase is None:  # no policy rows this step
             return
         step = step if step and step[1] else None
-        if step and self.arm != 1.0:  # tau = 1 yields one token whatever the request: nothing to learn
-            self._level.add(step, key=self.arm)
+        if step and arm != 1.0:  # tau = 1 yields one token whatever the request: nothing to learn
+            self._level.add(step, key=arm)
         bracket = self._bracket
         if phase == "explore":
-            if bracket is not None and bracket.arm == self.arm and step:
+            if bracket is not None and bracket.arm == arm and step:
                 bracket.during[0] += step[0]
                 bracket.during[1] += step[1]
             return
         if step:
-            self._settled_steps.append((self.arm, *step))
+            self._settled_steps.append((arm, *step))
         if bracket is None:
             return
-        if self.arm != bracket.settled:  # the policy moved on: the bracket has what it has
+        if arm != bracket.settled:  # the policy moved on: the bracket has what it has
             self._close_bracket()
         elif step:
             bracket.base[0] += step[0]
@@ -373,7 +401,8 @@ class AdaptiveTau:
         ratio to ``arm``: what ``arm`` would have yielded on the latest requests. While ``arm`` has no ratio
         to the arms of those steps: its own window. Never below one: every step gives a row its slot-0 token
         whatever the arm, and a ratio read on easy requests scaled onto hard ones can say less (in-process on
-        SmolLM2 at one stream tau = 0.9 read 0.91)."""
+        SmolLM2 at one stream tau = 0.9 read 0.91). /metrics reads it from another thread: on the steps filed
+        so far (see :meth:`flush`)."""
         if arm == 1.0:
             return 1.0
         tokens = rows = 0.0
@@ -406,6 +435,7 @@ class AdaptiveTau:
         off the whole record rather than one noisy sample; a window never measured decoding alone, its whole
         steps (:meth:`_whole_step_cost`), else None.
         ``modelled``: the model even for a well-measured cell (see :meth:`_scores`)."""
+        self.flush()
         if not modelled and self._well_measured(batch, slots):
             return self.cost[(batch, slots)]
         shape, windows = self._cost_model()
@@ -419,6 +449,7 @@ class AdaptiveTau:
     def cost_cells(self) -> list[tuple[int, int, float, int, float | None]]:
         """Every decoding cell measured: ``(batch, slots, median seconds, samples, the cost model's seconds)``,
         sorted; what :meth:`step_cost` reads the cell's median against (benchmarks print it)."""
+        self.flush()
         return sorted((batch, slots, seconds, len(self._recent[(batch, slots)]), self.step_cost(batch, slots, True))
                       for (batch, slots), seconds in list(self.cost.items()))
 
@@ -475,6 +506,7 @@ class AdaptiveTau:
         step over the step's cost and the joining prompts' share per token (:meth:`prompt_cost`)
         (``lossless_rows``: rows that asked for the lossless mode themselves; ``modelled``: see
         :meth:`step_cost`)."""
+        self.flush()
         step = self._predicted(arm, self.tokens_per_forward(arm), tuple(fixed_taus), policy_rows, block_size,
                                lossless_rows, modelled)
         return None if step is None else step[0] / step[1]
@@ -567,20 +599,24 @@ class AdaptiveTau:
                 return self._use(arm, explore=True)
             self._exploring, self._explored_at = None, self.decisions
         settled = self._settled
-        due = self.decisions % self.explore_every == 0
+        # the regular turn, and the far arms' turn, come as much less often as a paired exploration lasts longer
+        # than `explore_steps` at this many rows: ~2% of the steps explore at any load
+        spacing = self._paired_length(policy_rows) / self.explore_steps
+        due = self.decisions - self._turn_at >= self.explore_every * spacing
         turn = (greedy, block_size)
         if not due and self._choice is not None and self._choice[0] == turn \
                 and self.decisions - self._choice[1] < self.rescore_every:
             return self._use(settled)  # scored a few steps ago: the estimates and the load move slowly
+        self.flush()
         scores = self._scores(open_, block_size)
         best = _best(scores)
         if best is None:  # measure before judging: the widest unmeasured window first
             self._choice = None
             return self._explore(min((a for a, v in scores.items() if v is None), key=_width_order), policy_rows)
         if due:  # the candidate measured longest ago, of those near the best or not measured for long
-            self._choice = None
+            self._choice, self._turn_at = None, self.decisions
             near = [a for a in open_ if scores[a] >= scores[best] * (1 - self.explore_within)
-                    or self.decisions - self.last_seen.get(a, -1) >= self.explore_far_every]
+                    or self.decisions - self.last_seen.get(a, -1) >= self.explore_far_every * spacing]
             return self._explore(min(near, key=lambda a: self.last_seen.get(a, -1)), policy_rows)
         if best != settled and settled in scores:
             now = scores[settled]
@@ -603,6 +639,7 @@ class AdaptiveTau:
              lossless_rows: int = 0, greedy: bool = True) -> Arm | None:
         """The candidate with the highest predicted tokens/s for this batch alone (ties: the narrower window);
         None while some candidate is unmeasured."""
+        self.flush()
         return _best(self._scores(self._open(greedy, block_size), block_size,
                                   {(policy_rows, tuple(fixed_taus), lossless_rows): 1}))
 
@@ -611,6 +648,7 @@ class AdaptiveTau:
         ``explore_rows`` row-steps where it is paired (a ratio from a handful of a lone row's tokens is
         noise: on the default profile's toy at one stream, 3-step explorations had it settle in the
         lossless mode's block size 2, 21% slower there than B, for a third of its steps)."""
+        self.flush()
         length = self._explore_length(arm, rows)
         # a move into the lossless mode or to another lossless width: its first step has the old arm's
         # drafts (none, or another width's), and the engine does not count it
@@ -634,8 +672,11 @@ class AdaptiveTau:
 
     def _explore_length(self, arm: Arm, rows: int) -> int:
         """Steps an exploration of ``arm`` at ``rows`` policy rows lasts (before a move's uncounted step)."""
-        if not self._paired(arm):
-            return self.explore_steps
+        return self._paired_length(rows) if self._paired(arm) else self.explore_steps
+
+    def _paired_length(self, rows: int) -> int:
+        """Steps a paired exploration lasts at ``rows`` policy rows: ``explore_rows`` row-steps, at least
+        ``explore_steps`` steps."""
         return max(self.explore_steps, -(-self.explore_rows // max(rows, 1)))
 
     def _use(self, arm: Arm, explore: bool = False) -> Arm:
