@@ -722,30 +722,3 @@ def test_the_greedy_token_is_the_first_of_tied_maxima_as_hf_greedy_takes_it():
     wide = torch.randn(3, 5, 49153).bfloat16()  # a real vocabulary's width, bf16 as served: many exact ties
     wide[:, :, 7] = wide.amax(-1)
     assert torch.equal(greedy_tokens(wide), wide.float().argmax(-1))
-
-
-def test_a_lossless_row_reports_the_drafts_it_checked_and_kept(drafting_model):
-    """Each step of a lossless row that had drafts reports (checked, kept): it accepted one token more than it
-    kept (the token read at the last kept draft); a step after a wrong draft checks none; tau rows report
-    none. The serving policy compares lossless widths by these."""
-    prompts = [x[:n] for x, n in zip(periodic(4, 12, seed=2200), (7, 5, 9, 6))]
-    rows = [DecodeRow(p, 18, lossless=m, block_size=w, tau=t, key=i, stream=True)
-            for i, (p, (m, w, t)) in enumerate(zip(prompts, [(True, None, 1.0), (True, 2, 1.0), (False, None, 0.5),
-                                                             (True, 3, 1.0)]))]
-    batch = CachedBatch(TorchBackend(drafting_model), block_size=B, stop_ids=torch.tensor([DRAFT_EOS]), mask_id=MASK)
-    batch.add(rows)
-    reports: dict[int, list] = {row.key: [] for row in rows}
-    while len(batch):
-        for u in batch.step():
-            reports[u.row.key].append((u.drafts, len(u.new_tokens), u.stopped))
-    assert all(d is None for d, _, _ in reports[2])  # tau rows
-    for key, width in ((0, B), (1, 2), (3, 3)):
-        checked = [d for d, _, _ in reports[key] if d is not None]
-        assert checked and any(kept > 0 for _, kept in checked)  # the drafting model's drafts do hold
-        for (drafts, tokens, stopped), (before, _, _) in zip(reports[key][1:], reports[key]):
-            if drafts is not None:
-                kept_all = before is None or before[1] == before[0]  # drafts follow a step that wrong-drafted none
-                assert 1 <= drafts[0] <= width - 1 and 0 <= drafts[1] <= drafts[0] and tokens == drafts[1] + 1
-                assert kept_all
-            elif not stopped and before is not None and before[1] < before[0]:
-                assert tokens == 1  # after a wrong draft: a step without drafts, one token

@@ -457,7 +457,7 @@ def test_a_step_with_the_drafts_of_another_lossless_width_is_not_counted_as_the_
             self.arm = next(self.arms)
             return self.arm
 
-        def observe(self, batch, slots, seconds, accepted, prompt_tokens=0, drafts=()):
+        def observe(self, batch, slots, seconds, accepted, prompt_tokens=0):
             self.seen.append((self.arm, accepted))
 
     policy = Scripted()

@@ -7,7 +7,7 @@ from typing import Callable
 
 import pytest
 
-from mars.serving.tau_policy import LOSSLESS, AdaptiveTau, DraftAcceptance, TauRange, narrow_lossless
+from mars.serving.tau_policy import LOSSLESS, AdaptiveTau, TauRange, narrow_lossless
 
 B = 4
 NARROW = narrow_lossless(2)  # the lossless mode at block size 2: the last token, a draft and a mask
@@ -355,24 +355,6 @@ def test_where_every_step_takes_a_prompt_each_window_is_priced_by_its_whole_step
     assert arms[-300:].count(1.0) > 250
 
 
-def test_a_prompt_is_priced_only_beside_a_decoding_step_measured_at_its_batch_and_window():
-    """What a joining prompt costs is its step less the decoding step it joined. Where that batch and window
-    never decoded alone the decoding cost would come from the cost model and the price would carry the model's
-    error, so the join is not priced there: the window reads the price of its batch's nearest priced window."""
-    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True)
-    decoding = {(16, 7): 0.080, (16, 1): 0.030, (4, 3): 0.020, (1, 3): 0.012}  # no 16-row 3-slot step alone
-    for _ in range(10):
-        for (rows, slots), seconds in decoding.items():
-            policy.observe(rows, slots, seconds, {1.0: (rows, rows)})
-    for _ in range(10):  # 40-token prompts join at 1.2 ms a token, beside 16 rows' 7-slot and 3-slot windows
-        policy.observe(16, 7, 0.080 + 40 * 0.0012, {1.0: (16, 16)}, prompt_tokens=40)
-        policy.observe(16, 3, 0.062 + 40 * 0.0012, {1.0: (16, 16)}, prompt_tokens=40)
-    assert policy.step_cost(16, 3) < 0.055  # the model reads the 16-row 3-slot step 10 ms short of its 62
-    assert (16, 3) not in policy.prompt_token_cost
-    assert policy.prompt_token_cost[(16, 7)] == pytest.approx(0.0012)
-    assert policy.prompt_cost(16, 3) == policy.prompt_cost(16, 7)
-
-
 def test_the_load_is_rescored_once_per_turn_not_at_each_change_of_batch():
     """Rows come and go every few steps at a few streams; the load's choice is kept for ``rescore_every``
     decisions, so alternating between two batch sizes scores the load once per turn."""
@@ -481,54 +463,3 @@ def test_about_as_large_a_share_of_steps_explores_at_one_row_as_at_four():
 
     one, four = exploring(1), exploring(4)
     assert one < 1.5 * four and one < 0.05, (one, four)
-
-
-def test_the_drafts_say_what_each_lossless_width_yields():
-    """A step with drafts takes one token plus the drafts that hold, and after a wrong draft the next step has
-    none: from c_j, how often draft j holds once the ones before it held, a width w yields 1 + E / (2 - q)
-    tokens a step (E = c_1 + c_1 c_2 + ..., q = c_1 ... c_{w-1}). A width's steps tell every narrower width's
-    yield (draft j is the same at every width that makes it), over the last ``window`` row-steps."""
-    drafts = DraftAcceptance(window=100)
-    assert drafts.tokens_per_forward(2, enough=1) is None
-    for _ in range(10):  # B's steps, three drafts each: four keep all, three keep two, two keep one, one none
-        for kept in (3, 3, 3, 3, 2, 2, 2, 1, 1, 0):
-            drafts.add(3, kept)
-    c1, c2, c3 = 9 / 10, 7 / 9, 4 / 7
-    assert drafts.tokens_per_forward(2, enough=1) == pytest.approx(1 + c1 / (2 - c1))
-    assert drafts.tokens_per_forward(3, enough=1) == pytest.approx(1 + (c1 + c1 * c2) / (2 - c1 * c2))
-    assert drafts.tokens_per_forward(4, enough=1) == pytest.approx(
-        1 + (c1 + c1 * c2 + c1 * c2 * c3) / (2 - c1 * c2 * c3))
-    assert drafts.tokens_per_forward(4, enough=71) is None  # the third draft was checked 70 times
-    for _ in range(100):  # block size 2's steps, whose one draft always holds, push B's out of the window
-        drafts.add(1, 1)
-    assert drafts.tokens_per_forward(2, enough=100) == 2.0
-    assert drafts.tokens_per_forward(3, enough=1) is None  # no step in the window checked a second draft
-
-
-def test_two_lossless_widths_compare_by_their_drafts_not_by_a_few_paired_explorations():
-    """The policy predicts one lossless width from the other by the drafts every lossless step checked, at
-    either width, once each draft position was checked ``pair_trust`` times, whatever its explorations of the
-    narrow width happened to yield (here every one of them on text where its draft always holds: paired, B
-    would read no better than block size 2; on SmolLM2 paired explorations read B / block size 2 at
-    1.04-1.06 where the two decoded 1.15-1.17 apart)."""
-    policy = AdaptiveTau(TauRange(1.0, 1.0), lossless=True, pair_trust=48)  # candidates: 1, B, block size 2
-    reference = DraftAcceptance(window=10_000)
-    b_kept = iter([3, 2, 1, 0] * 100)  # B's steps: three drafts, kept 3, 2, 1 and 0 in turn
-    arms = []
-    for _ in range(300):
-        arm = policy.choose([], 1, B)
-        arms.append(arm)
-        if arm == LOSSLESS:
-            kept = next(b_kept)
-            policy.observe(1, 2 * B - 1, 0.010, {LOSSLESS: (kept + 1, 1)}, drafts=[(3, kept)])
-            reference.add(3, kept)
-        elif arm == NARROW:
-            policy.observe(1, 3, 0.010, {NARROW: (2, 1)}, drafts=[(1, 1)])
-            reference.add(1, 1)
-        else:
-            policy.observe(1, 1, 0.010, {1.0: (1, 1)})
-    assert NARROW in arms and arms.count(LOSSLESS) > 200
-    policy.flush()  # the last steps, as the engine's next decision files them
-    ratio = reference.tokens_per_forward(2, enough=1) / reference.tokens_per_forward(B, enough=1)
-    assert ratio < 0.95
-    assert policy.tokens_per_forward(NARROW) == pytest.approx(policy.tokens_per_forward(LOSSLESS) * ratio)

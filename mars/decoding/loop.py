@@ -307,7 +307,6 @@ class RowUpdate:
     token_ids: list[int] | None = None
     forwards: int = 0
     stopped: bool = False
-    drafts: tuple[int, int] | None = None  # a lossless row's drafts checked and kept (None: none checked, or it stopped)
 
 
 class CachedBatch:
@@ -575,11 +574,6 @@ class CachedBatch:
         done = stopped | (self.room_left == 0)
         updates = {k: RowUpdate(rows[k], seq[k, before[k]: length[k]].tolist()) for k in streamed
                    if length[k] > before[k] or done[k]}
-        if any(r.lossless for r in rows):  # what a lossless row's drafts did (the serving policy reads it)
-            checked, kept = torch.where(lossless & (n > 0) & ~stopped, drafts, 0).tolist(), (n - 1).tolist()
-            for k, update in updates.items():
-                if checked[k]:
-                    update.drafts = (checked[k], kept[k])
         self.free = done.nonzero()[:, 0].tolist()
         for k in self.free:
             update = updates.setdefault(k, RowUpdate(rows[k], []))

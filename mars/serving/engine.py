@@ -250,9 +250,7 @@ class Engine:
         copied = hits * len(batch.prefix)  # prompt tokens the prefix cache filled in
         # a joining row's first window is its prompt (less the prefix copied in): the policy weighs it apart
         prompt_tokens = sum(len(r.prompt) for r in joining) - copied
-        drafts = [u.drafts for u in updates if u.drafts and u.row.key]  # whatever the arm: a draft is a draft
-        self.policy.observe(rows, slots, seconds, {t: tuple(v) for t, v in accepted.items()}, prompt_tokens,
-                            drafts=drafts)
+        self.policy.observe(rows, slots, seconds, {t: tuple(v) for t, v in accepted.items()}, prompt_tokens)
         if self.metrics is not None:
             self.metrics.step(rows, slots, seconds, not joining, sum(len(u.new_tokens) for u in updates),
                               self.policy, self.queue_depth, arm, prefix_tokens=copied)

@@ -36,12 +36,7 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   requests, not arms (on the default profile's toy the windows read the lossless mode 1.81 against tau =
   0.9's 3.32 while, decoded side by side, lossless was the faster fixed setting). tau = 1 yields exactly one
   token a row. A lone row's tokens swing from step to step, so the settled arm moves to an arm it pairs only
-  once their explorations hold ``pair_trust`` row-steps of each. Two lossless widths need no pairing: their
-  ratio is read off the drafts every lossless row-step checks, whatever its width (:class:`DraftAcceptance`:
-  draft j is the same at every width that makes it, and how often it holds gives each width's yield), once
-  each draft position was checked ``pair_trust`` times. Paired explorations of a few steps said little there:
-  on SmolLM2 they read B / block size 2 at 1.04-1.06 where the two decoded 1.15-1.17 apart, and the policy kept
-  block size 2 at one stream, where B was 7-9% faster.
+  once their explorations hold ``pair_trust`` row-steps of each.
 * a row moved into the lossless mode has no drafts for one step (it yields one token), and a row moved to
   another lossless width steps once with the old width's drafts (narrowed, it verifies all B-1 of them;
   widened, its one): the engine leaves that step out of the arm's tokens/forward (counted, it had the
@@ -170,7 +165,7 @@ class FixedTau:
         return self.tau
 
     def observe(self, batch: int, slots: int, seconds: float, accepted: dict[Arm, tuple[int, int]],
-                prompt_tokens: int = 0, drafts: Sequence[tuple[int, int]] = ()) -> None:
+                prompt_tokens: int = 0) -> None:
         pass
 
 
@@ -249,10 +244,6 @@ class AdaptiveTau:
         # (least squares over every cell) is most of a decision's time on a small model
         self.refit_every, self._unfitted = refit_every, 0
         self.tpf: dict[Arm, float] = {1.0: 1.0}  # arm -> tokens per row and forward in its own window
-        # how often each draft holds, over the last `pair_samples` row-steps that checked drafts: the ratio of two
-        # lossless widths (see DraftAcceptance); the lossless mode's width B is the batch's (from choose)
-        self._drafts = DraftAcceptance(pair_samples)
-        self.block_size: int | None = None
         # paired ratios (see the module docstring): (arm a, arm b) -> (a tokens, a rows, b tokens, b rows) per
         # exploration of one beside the other
         self._pairs: dict[tuple[Arm, Arm], SlidingSums] = {}
@@ -277,11 +268,10 @@ class AdaptiveTau:
 
     # -- measurements ------------------------------------------------------------------------------
     def observe(self, batch: int, slots: int, seconds: float, accepted: dict[Arm, tuple[int, int]],
-                prompt_tokens: int = 0, drafts: Sequence[tuple[int, int]] = ()) -> None:
+                prompt_tokens: int = 0) -> None:
         """One iteration of ``batch`` rows reading ``slots`` slots each (2B-1: some row is lossless) took
         ``seconds``; ``prompt_tokens``: the joining prompts' tokens it forwarded (0: a decoding step);
-        ``accepted[arm] = (tokens, rows)`` for the rows at each tau and in the lossless mode; ``drafts``: the
-        (checked, kept) drafts of each policy row that verified drafts in the lossless mode.
+        ``accepted[arm] = (tokens, rows)`` for the rows at each tau and in the lossless mode.
 
         A step of an exploration is filed at once (its length and bracket depend on it); the others are
         filed together at the next decision that scores or explores, or after ``rescore_every`` of them
@@ -289,7 +279,7 @@ class AdaptiveTau:
         one at a time, between forwards, they took ~30 us a step, filed 16 at a time ~13 us (an ad-hoc
         timing in-process at one stream): the policy's code and data stay in the CPU's caches through a batch."""
         phase, self._phase = self._phase, None
-        self._pending.append((batch, slots, seconds, accepted, prompt_tokens, drafts, phase, self.arm))
+        self._pending.append((batch, slots, seconds, accepted, prompt_tokens, phase, self.arm))
         if phase == "explore" or len(self._pending) >= self.rescore_every:
             self.flush()
 
@@ -303,21 +293,18 @@ class AdaptiveTau:
                 self._file(*record)
 
     def _file(self, batch: int, slots: int, seconds: float, accepted: dict[Arm, tuple[int, int]],
-              prompt_tokens: int, drafts: Sequence[tuple[int, int]], phase: str | None, arm: Arm) -> None:
+              prompt_tokens: int, phase: str | None, arm: Arm) -> None:
         """One observed step (see :meth:`observe`): ``phase`` and ``arm``, what the policy rows took it as."""
-        for checked, kept in drafts:
-            self._drafts.add(checked, kept)
         self._flow.add((prompt_tokens, sum(tokens for tokens, _ in accepted.values())))
         if prompt_tokens:  # what the prompts cost beyond the decoding step they joined (see prompt_cost)
-            decoding = self.cost.get((batch, slots))  # this batch and window measured decoding alone
-            if decoding is not None:
+            if slots in self._cost_model()[1]:
                 recent = _cell(self._prompt_recent, (batch, slots), self._new_samples)
-                recent.append(max(seconds - decoding, 0.0) / prompt_tokens)
+                recent.append(max(seconds - self.step_cost(batch, slots), 0.0) / prompt_tokens)
                 if (batch, slots) not in self.prompt_token_cost:
                     self._priced_windows[batch] = sorted({*self._priced_windows.get(batch, ()), slots})
                 self.prompt_token_cost[(batch, slots)] = _median(recent)
-            elif slots not in self._cost_model()[1]:  # a window not measured decoding alone yet: the whole step
-                _cell(self._whole, (batch, slots), self._new_samples).append(seconds)  # (see _whole_step_cost)
+            else:  # a window not measured decoding alone yet: the whole step (see _whole_step_cost)
+                _cell(self._whole, (batch, slots), self._new_samples).append(seconds)
             if phase == "explore" and self._extended < self.explore_steps:
                 # a step that took prompts measured no decoding step: explore one more (over HTTP at 16 streams
                 # most steps take one, and SmolLM2's 16-row 1-slot cell went unmeasured through 500 steps)
@@ -361,11 +348,8 @@ class AdaptiveTau:
         windows it costs more. Batch size matters most: in-process on SmolLM2 in bf16 on a 2-core CPU a step
         that took prompts cost ~14 ms more than a decoding step at one row and ~33-45 ms more at 16, in the
         same windows; at 16 rows ~0.44 ms a prompt token beside 1-slot windows and ~0.55 ms beside the
-        3-slot windows of lossless at block size 2. A join step is priced only against a decoding step
-        measured at its own batch size and window (the cell's median); a cell not priced reads the nearest
-        priced batch size, at its nearest window. Against a decoding cost read off the cost model a price
-        carried the model's error: over HTTP on SmolLM2 at 16 streams prompt tokens read 3.2 ms beside 3-slot
-        windows, whose 16-row cell the policy had never measured, and 1.5 ms beside 7-slot ones. Priced by window alone, the lossless mode's prompts, measured
+        3-slot windows of lossless at block size 2. A cell not seen joining yet reads the nearest measured
+        batch size, at its nearest window. Priced by window alone, the lossless mode's prompts, measured
         mostly at one stream (0.32 ms a token), were charged that at 16 rows, where they cost ~1 ms, and
         the policy ran the mode through bursty traces' 16-stream phases, where it was 22% slower than
         tau = 1 fixed."""
@@ -430,11 +414,7 @@ class AdaptiveTau:
         return None if own is None else max(own, 1.0)
 
     def _ratio(self, arm: Arm, base: Arm) -> float | None:
-        """tokens/forward at ``arm`` over that at ``base``, on the same rows at the same time: between two
-        lossless widths read off the drafts (:meth:`_draft_ratio`) once they hold enough, else paired."""
-        drafted = self._draft_ratio(arm, base)
-        if drafted is not None:
-            return drafted
+        """tokens/forward at ``arm`` over that at ``base``, on the same rows at the same time."""
         key = _pair_key(arm, base)
         if key not in self._pairs:
             return None
@@ -444,22 +424,8 @@ class AdaptiveTau:
         ratio = (a_tokens / a_rows) / (b_tokens / b_rows)
         return ratio if key[0] == arm else 1.0 / ratio
 
-    def _draft_ratio(self, arm: Arm, base: Arm) -> float | None:
-        """tokens/forward at one lossless width over another's, from how often each draft holds (the drafts
-        of any width: a mask does not see the masks after it, so draft j is the same at every width that
-        makes it): None unless both are lossless and every draft position the wider one checks holds
-        ``pair_trust`` checks."""
-        if not (is_lossless(arm) and is_lossless(base)) or not self.block_size:
-            return None
-        mine = self._drafts.tokens_per_forward(arm_block_size(arm, self.block_size), self.pair_trust)
-        other = self._drafts.tokens_per_forward(arm_block_size(base, self.block_size), self.pair_trust)
-        return None if mine is None or other is None else mine / other
-
     def _trusted(self, arm: Arm, base: Arm) -> bool:
-        """Whether the explorations pairing ``arm`` with ``base`` hold ``pair_trust`` row-steps of each (two
-        lossless widths: whether the drafts say their ratio)."""
-        if self._draft_ratio(arm, base) is not None:
-            return True
+        """Whether the explorations pairing ``arm`` with ``base`` hold ``pair_trust`` row-steps of each."""
         pool = self._pairs.get(_pair_key(arm, base))
         return self.pair_trust <= 0 or (pool is not None and min(pool.total[1], pool.total[3]) >= self.pair_trust)
 
@@ -621,7 +587,6 @@ class AdaptiveTau:
         own taus; ``greedy``: every policy row is greedy (else the lossless mode is not a candidate)."""
         if not policy_rows or not block_size or block_size < 2:
             return self.arm
-        self.block_size = block_size
         self.decisions += 1
         self._load.append((policy_rows, tuple(fixed_taus), lossless_rows))
         open_ = self._open(greedy, block_size)
@@ -749,53 +714,6 @@ class SlidingSums:
             total = self.total = rest
             if old_key is not None:
                 by_key[old_key] = tuple(map(operator.sub, by_key[old_key], old))
-
-
-class DraftAcceptance:
-    """How often a lossless row's j-th draft holds once the drafts before it held (c_j), over the last
-    ``window`` row-steps that checked drafts, and the tokens/forward that implies at a lossless width w.
-
-    A step with drafts takes one token plus the drafts that hold; after a wrong draft the next step has none
-    (it takes one token, and its masks make the next drafts), after all held it has fresh ones. With E = the
-    sum over j < w of c_1...c_j (drafts kept a step) and q = c_1...c_{w-1} (all held), a row has drafts at a
-    share 1 / (2 - q) of its steps and takes 1 + E / (2 - q) tokens a step. Read off one width's steps it
-    gives the others': SmolLM2 in bf16, the 46 held-out prompts one at a time, from the steps at B = 4
-    (c = 0.73, 0.65, 0.59) it gives 1.57 tokens/forward at block size 2, 1.78 at 3 and 1.86 at 4, where
-    the three decoded 1.57, 1.74 and 1.83 (an ad-hoc script); B over block size 2 1.18 (decoded, 1.17),
-    where paired explorations read 1.04-1.06 on the 33-63 row-steps they held."""
-
-    def __init__(self, window: int):
-        self.window = window
-        self.records: deque[tuple[int, int]] = deque()
-        self.checked: list[int] = []  # per draft position j: steps that checked draft j (the ones before held)
-        self.held: list[int] = []  # ... and in which it held
-
-    def add(self, checked: int, kept: int) -> None:
-        """One row-step that had ``checked`` drafts, of which the first ``kept`` held."""
-        self._count(checked, kept, 1)
-        self.records.append((checked, kept))
-        if len(self.records) > self.window:
-            self._count(*self.records.popleft(), -1)
-
-    def _count(self, checked: int, kept: int, sign: int) -> None:
-        while len(self.checked) < checked:
-            self.checked.append(0)
-            self.held.append(0)
-        for j in range(min(checked, kept + 1)):  # draft j is checked while every draft before it held
-            self.checked[j] += sign
-        for j in range(kept):
-            self.held[j] += sign
-
-    def tokens_per_forward(self, width: int, enough: int) -> float | None:
-        """Tokens per row and forward at block size ``width`` (``width`` - 1 drafts a step); None while a
-        draft position it needs was checked fewer than ``enough`` times."""
-        kept, chain = 0.0, 1.0
-        for j in range(width - 1):
-            if j >= len(self.checked) or self.checked[j] < max(enough, 1):
-                return None
-            chain *= self.held[j] / self.checked[j]
-            kept += chain
-        return 1.0 + kept / (2.0 - chain)
 
 
 def _cell(cells: dict, key, make: Callable[[], object]):
