@@ -276,7 +276,7 @@ class AdaptiveTau:
         A step of an exploration is filed at once (its length and bracket depend on it); the others are
         filed together at the next decision that scores or explores, or after ``rescore_every`` of them
         (:meth:`flush`): nothing decides on them before. On the default profile's toy (a ~1.4 ms step) filed
-        one at a time, between forwards, they took ~30 us a step, filed 16 at a time ~13 us (an ad-hoc
+        one at a time, between forwards, they took ~30 us a step, filed 16 at a time ~18 us (an ad-hoc
         timing in-process at one stream): the policy's code and data stay in the CPU's caches through a batch."""
         phase, self._phase = self._phase, None
         self._pending.append((batch, slots, seconds, accepted, prompt_tokens, phase, self.arm))
