@@ -328,6 +328,29 @@ def test_a_prompt_is_priced_at_the_load_it_joins():
     assert policy.best([], 1, B) == LOSSLESS
 
 
+def test_prompt_prices_are_read_off_one_model_over_every_priced_cell():
+    """A joining prompt's price per token is a join step's seconds beyond the decoding step it joined, per batch
+    size and window. Over HTTP those cells' medians move by 4x from one batch size to the next (SmolLM2 at 16
+    streams: 2.6 ms beside 16 rows' 3-slot windows, 0.59 beside 15 rows'); read cell by cell, the narrow window's
+    prompts cost twice the wide one's at 16 rows and the policy kept the wide window where the narrow one was 11%
+    faster. Read off one non-negative model over every cell, a price never falls as the window widens: here the
+    cells say it does at 16 rows and at 4, not at 14 or 15, and the model prices both windows of a batch size alike."""
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True)
+    # that run's cells at 16 streams (ms a prompt token), and a few of its cells at one and four
+    noisy = {(16, 3): 0.0026, (15, 3): 0.00059, (14, 3): 0.0013, (16, 7): 0.00157, (15, 7): 0.00037, (14, 7): 0.00053,
+             (1, 7): 0.0004, (4, 3): 0.0016, (4, 7): 0.0011}
+    for (rows, slots), price in noisy.items():
+        for _ in range(6):
+            policy.observe(rows, slots, 0.030 + rows * slots * 0.001, {1.0: (rows, rows)})
+        for _ in range(6):
+            policy.observe(rows, slots, 0.030 + rows * slots * 0.001 + 40 * price, {1.0: (rows, rows)}, prompt_tokens=40)
+    assert policy.prompt_token_cost[(16, 3)] == pytest.approx(0.0026)  # what /metrics shows: the cells
+    narrow, wide = policy.prompt_cost(16, 3), policy.prompt_cost(16, 7)
+    assert narrow == pytest.approx(wide)
+    prompt_tokens, generated = policy._flow.total
+    assert min(noisy.values()) < narrow * generated / prompt_tokens < max(noisy.values())  # a price per token
+
+
 def test_where_every_step_takes_a_prompt_each_window_is_priced_by_its_whole_steps():
     """Short answers at many streams: a request joins at every step, so no window is ever measured decoding
     alone. After an exploration's worth of such steps a window is priced by its whole steps (prompt

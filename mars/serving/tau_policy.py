@@ -236,6 +236,9 @@ class AdaptiveTau:
         # the traffic's prompt tokens per generated token over the last `flow_steps` steps (see prompt_cost)
         self.prompt_token_cost: dict[tuple[int, int], float] = {}
         self._priced_windows: dict[int, list[int]] = {}  # batch -> the windows priced there (prompt_cost reads it)
+        # the prices' model (see _price_model), refitted after `refit_every` new prices or at a new cell
+        self._prices: tuple[tuple[float, float, float, float] | None] | None = None
+        self._prices_unfitted = 0
         self._prompt_recent: dict[tuple[int, int], deque] = {}
         self.flow_steps = flow_steps
         self._flow = SlidingSums(2, lambda sums, steps: steps >= self.flow_steps)  # (prompt tokens, generated) a step
@@ -302,7 +305,11 @@ class AdaptiveTau:
                 recent.append(max(seconds - self.step_cost(batch, slots), 0.0) / prompt_tokens)
                 if (batch, slots) not in self.prompt_token_cost:
                     self._priced_windows[batch] = sorted({*self._priced_windows.get(batch, ()), slots})
+                    self._prices = None
                 self.prompt_token_cost[(batch, slots)] = _median(recent)
+                self._prices_unfitted += 1
+                if self._prices_unfitted >= self.refit_every:
+                    self._prices = None
             else:  # a window not measured decoding alone yet: the whole step (see _whole_step_cost)
                 _cell(self._whole, (batch, slots), self._new_samples).append(seconds)
             if phase == "explore" and self._extended < self.explore_steps:
@@ -352,13 +359,33 @@ class AdaptiveTau:
         batch size, at its nearest window. Priced by window alone, the lossless mode's prompts, measured
         mostly at one stream (0.32 ms a token), were charged that at 16 rows, where they cost ~1 ms, and
         the policy ran the mode through bursty traces' 16-stream phases, where it was 22% slower than
-        tau = 1 fixed."""
+        tau = 1 fixed. The price is read off a model fitted over every priced cell (:meth:`_price_model`), not
+        the cell's own median: over HTTP a cell's median moved by 4x from one batch size to the next (SmolLM2 at
+        16 streams, lossless at B settled: 2.6 ms a token beside 16 rows' 3-slot windows, 1.3 and 0.59 beside
+        14 and 15 rows'; 1.57 beside 16 rows' 7-slot ones, 0.53 and 0.37 beside 14 and 15 rows'), and read
+        cell by cell the prices kept the policy at B through the level, 11% slower there than block size 2."""
         self.flush()
         prompt, generated = self._flow.total
         if not prompt or not generated or not self.prompt_token_cost:
             return 0.0
-        near = _nearest(self._priced_windows, batch)
-        return prompt / generated * self.prompt_token_cost[(near, _nearest(self._priced_windows[near], slots))]
+        shape = self._price_model()
+        if shape is None:  # too few cells for a shape: the nearest priced cell
+            near = _nearest(self._priced_windows, batch)
+            return prompt / generated * self.prompt_token_cost[(near, _nearest(self._priced_windows[near], slots))]
+        a, c, d, e = shape
+        return prompt / generated * (a + c * batch + d * batch * slots + (e * batch if slots > 1 else 0.0))
+
+    def _price_model(self) -> tuple[float, float, float, float] | None:
+        """``(a, c, d, e)`` >= 0: a joining prompt token costs a + c x batch + d x batch x slots + e x batch x
+        [slots > 1] seconds, the step costs' form (:meth:`_cost_model`) fitted the same way over the priced cells'
+        medians (weighted by their join steps, over the cells with ``cell_samples`` of them where they determine
+        it). Where the cells say a prompt costs less beside wider windows (noise: see :meth:`prompt_cost`), the
+        non-negative shape drops the window terms and prices every window of a batch size alike."""
+        if self._prices is None:
+            self._prices_unfitted = 0
+            cells = [(b, w, price, len(self._prompt_recent[(b, w)])) for (b, w), price in self.prompt_token_cost.items()]
+            self._prices = (_shape([cell for cell in cells if cell[3] >= self.cell_samples]) or _shape(cells),)
+        return self._prices[0]
 
     def _pair(self, step: tuple[int, int] | None, phase: str | None, arm: Arm) -> None:
         """File the step the policy rows took at ``arm`` (``(tokens, rows)``; None: none counted, a step
