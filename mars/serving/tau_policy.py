@@ -372,8 +372,7 @@ class AdaptiveTau:
         if shape is None:  # too few cells for a shape: the nearest priced cell
             near = _nearest(self._priced_windows, batch)
             return prompt / generated * self.prompt_token_cost[(near, _nearest(self._priced_windows[near], slots))]
-        a, c, d, e = shape
-        return prompt / generated * (a + c * batch + d * batch * slots + (e * batch if slots > 1 else 0.0))
+        return prompt / generated * _shape_at(shape, batch, slots)
 
     def _price_model(self) -> tuple[float, float, float, float] | None:
         """``(a, c, d, e)`` >= 0: a joining prompt token costs a + c x batch + d x batch x slots + e x batch x
@@ -384,7 +383,7 @@ class AdaptiveTau:
         if self._prices is None:
             self._prices_unfitted = 0
             cells = [(b, w, price, len(self._prompt_recent[(b, w)])) for (b, w), price in self.prompt_token_cost.items()]
-            self._prices = (_shape([cell for cell in cells if cell[3] >= self.cell_samples]) or _shape(cells),)
+            self._prices = (self._fit(cells),)
         return self._prices[0]
 
     def _pair(self, step: tuple[int, int] | None, phase: str | None, arm: Arm) -> None:
@@ -470,8 +469,7 @@ class AdaptiveTau:
             return self._whole_step_cost(batch, slots)
         if shape is None:  # too few cells for a shape: the window's nearest batch size as measured
             return self.cost[(_nearest([b for b, w in self.cost if w == slots], batch), slots)]
-        a, c, d, e = shape
-        return a + c * batch + d * batch * slots + (e * batch if slots > 1 else 0.0)
+        return _shape_at(shape, batch, slots)
 
     def cost_cells(self) -> list[tuple[int, int, float, int, float | None]]:
         """Every decoding cell measured: ``(batch, slots, median seconds, samples, the cost model's seconds)``,
@@ -521,10 +519,14 @@ class AdaptiveTau:
             return self._model
         self._unfitted = 0
         cells = [(b, w, self.cost[(b, w)], len(self._recent[(b, w)])) for b, w in self.cost]
-        trusted = [cell for cell in cells if cell[3] >= self.cell_samples]
-        shape = _shape(trusted) or _shape(cells)  # thin cells (a passing load's one sample) only where needed
+        shape = self._fit(cells)
         self._model = (shape, {w for _, w, _, _ in cells})
         return self._model
+
+    def _fit(self, cells: list[tuple[int, int, float, int]]) -> tuple[float, float, float, float] | None:
+        """:func:`_shape` over the cells holding ``cell_samples`` samples where they determine it; the thin ones
+        (a passing load's one sample) only where needed."""
+        return _shape([cell for cell in cells if cell[3] >= self.cell_samples]) or _shape(cells)
 
     # -- decision ----------------------------------------------------------------------------------
     def predict(self, arm: Arm, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
@@ -770,6 +772,12 @@ def _shape(cells: list[tuple[int, int, float, int]]) -> tuple[float, float, floa
         if fit is not None and min(fit) >= 0.0:
             return fit
     return None
+
+
+def _shape_at(shape: tuple[float, float, float, float], batch: int, slots: int) -> float:
+    """A shape's (see :func:`_shape`) seconds at ``batch`` rows of ``slots``-slot windows."""
+    a, c, d, e = shape
+    return a + c * batch + d * batch * slots + (e * batch if slots > 1 else 0.0)
 
 
 def _least_squares(cells: list[tuple[int, int, float, int]],
