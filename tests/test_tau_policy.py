@@ -298,6 +298,21 @@ def test_an_exploration_makes_up_for_steps_that_took_prompts():
     assert explored(60) == (6, False)  # three more steps, and then it stops: each took a prompt
 
 
+def test_an_exploration_is_not_lengthened_where_its_cell_is_measured_already():
+    """The steps added for steps that took prompts are there to measure the window decoding alone; where its
+    cell at this batch size holds ``cell_samples`` samples already, the exploration keeps its length."""
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, explore_every=10 ** 6)
+    for _ in range(policy.cell_samples):
+        policy.observe(16, 1, 0.010, {1.0: (16, 16)})
+    policy._explore(1.0, 16)
+    steps = 0
+    while policy.arm == 1.0 and policy._phase == "explore":
+        steps += 1
+        policy.observe(16, 1, 0.010, {}, 60)
+        policy.choose([], 16, B)
+    assert steps == policy.explore_steps
+
+
 def test_a_prompt_is_priced_at_the_load_it_joins():
     """A prompt joining one row rides on a step that streams the weights anyway; beside 16 rows it costs
     what a 16-row step's tokens cost. Every window measured joining at one stream (0.15 ms a prompt token),

@@ -312,9 +312,12 @@ class AdaptiveTau:
                     self._prices = None
             else:  # a window not measured decoding alone yet: the whole step (see _whole_step_cost)
                 _cell(self._whole, (batch, slots), self._new_samples).append(seconds)
-            if phase == "explore" and self._extended < self.explore_steps:
+            if phase == "explore" and self._extended < self.explore_steps and not self._well_measured(batch, slots):
                 # a step that took prompts measured no decoding step: explore one more (over HTTP at 16 streams
-                # most steps take one, and SmolLM2's 16-row 1-slot cell went unmeasured through 500 steps)
+                # most steps take one, and SmolLM2's 16-row 1-slot cell went unmeasured through 500 steps), unless
+                # the cell holds enough already: then the extra steps buy one sample of fifteen at the price of the
+                # explored arm (on SmolLM2 at 16 streams tau = 0.9, re-measured once a bench_serve round for 6
+                # steps, 3 of them extensions, runs 60% dearer a step than the settled lossless block size 2)
                 self._extended += 1
                 explored, left = self._exploring or (arm, 0)
                 self._exploring = (explored, left + 1)
