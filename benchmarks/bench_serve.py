@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             for label, rounds in runs.items():  # the median round by throughput
                 table[name][label] = sorted(rounds, key=lambda r: r["tokens_per_s"])[len(rounds) // 2]
                 table[name][label]["rounds_tokens_per_s"] = [r["tokens_per_s"] for r in rounds]
+                # in --json: where the policy spent each round's steps (the first round at a load is where it learns)
+                table[name][label]["rounds_policy_steps"] = [r["policy_steps"] for r in rounds]
     finally:
         for _, server in servers:
             server.close()
