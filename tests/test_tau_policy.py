@@ -425,18 +425,6 @@ def test_the_load_is_rescored_once_per_turn_not_at_each_change_of_batch():
     assert 0 < len(scored) <= 64 // policy.rescore_every + 1
 
 
-def test_a_load_that_jumps_is_scored_at_its_first_batch():
-    """One stream favours the lossless mode at B, 16 the narrow one (a 7-slot step is dear at 16 rows). When the
-    batch jumps from one row to 16 (a burst of requests joins at once), the policy scores the new load at once,
-    not at its next turn with the one-row batches in its window."""
-    cost = {1: {1: 0.0100, 3: 0.0102, B: 0.0104, 7: 0.0108}, 16: {1: 0.0100, 3: 0.0130, B: 0.0150, 7: 0.0210}}
-    gain = {LOSSLESS: 1.9, NARROW: 1.6, 0.9: 1.3}
-    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, explore_every=10 ** 6)
-    drive(policy, 1200, lambda step: 1.0, gain, cost, rows=lambda step: 16 if step < 600 else 1)
-    assert policy.arm == LOSSLESS and policy.best([], 16, B) == NARROW
-    assert policy.choose([], 16, B) == NARROW
-
-
 def test_the_arm_is_chosen_for_the_load_not_for_each_batch():
     """At many streams rows leave and join every step and the batch size moves by a row or two; here it
     alternates between 15 and 16 rows. Alone, 15 rows favour the lossless mode (1.9 tokens a row per 12.8 ms

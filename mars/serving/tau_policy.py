@@ -223,7 +223,6 @@ class AdaptiveTau:
         self._load: deque[tuple[int, tuple[float, ...], int]] = deque(maxlen=load_steps)  # (policy rows, named
         # taus, named lossless rows) of each decision
         self._open_memo: dict[tuple[bool, int], list[Arm]] = {}  # (greedy, B) -> the candidates open
-        self._scored_rows = (0, 0)  # the fewest and most rows of the load the settled arm was last scored on
         self._choice: tuple[tuple[bool, int], int] | None = None  # ((greedy, B), the decision the settled arm was
         # scored at); None after an exploration starts: its measurements are scored at the next decision
         # the settled arm moves only for a predicted gain above this (see the module docstring), into the
@@ -653,8 +652,7 @@ class AdaptiveTau:
         due = self.decisions - self._turn_at >= self.explore_every * spacing
         turn = (greedy, block_size)
         if not due and self._choice is not None and self._choice[0] == turn \
-                and self.decisions - self._choice[1] < self.rescore_every \
-                and not self._load_moved(policy_rows + len(fixed_taus) + lossless_rows):
+                and self.decisions - self._choice[1] < self.rescore_every:
             return self._use(settled)  # scored a few steps ago: the estimates and the load move slowly
         self.flush()
         scores = self._scores(open_, block_size)
@@ -681,24 +679,8 @@ class AdaptiveTau:
                 return self._explore(best, policy_rows)
             best = settled
         self._choice = (turn, self.decisions)
-        sizes = [rows + len(named) + lossless for rows, named, lossless in self._load]
-        self._scored_rows = (min(sizes), max(sizes))
         self._settled = best
         return self._use(best)
-
-    def _load_moved(self, rows: int) -> bool:
-        """Whether a batch of ``rows`` is a new load: more than twice the most rows the settled arm was scored on,
-        or under half the fewest. Then the load is this batch alone, scored at once: waiting for the next
-        rescoring, with the old load's batches in the window, a load that jumped from one stream to 16 ran the
-        old load's arm for its first 16 steps (in-process on SmolLM2: lossless at B, whose decoding steps took
-        83-91 ms there against block size 2's 61-66 ms, for 17 of a 16-stream level's ~150 steps)."""
-        low, high = self._scored_rows
-        if low <= 2 * rows and rows <= 2 * high:
-            return False
-        current = self._load[-1]
-        self._load.clear()
-        self._load.append(current)
-        return True
 
     def best(self, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
              lossless_rows: int = 0, greedy: bool = True) -> Arm | None:
