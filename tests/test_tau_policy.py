@@ -366,24 +366,6 @@ def test_prompt_prices_are_read_off_one_model_over_every_priced_cell():
     assert min(noisy.values()) < narrow * generated / prompt_tokens < max(noisy.values())  # a price per token
 
 
-def test_a_join_step_is_priced_against_the_decoding_cost_as_it_reads_now():
-    """Join steps filed while their batch size's decoding step was read off the cost model (here a line through
-    one and two rows: 17.5 ms at 16 rows, where a step takes 30) are re-priced once that step is measured: a
-    prompt token then costs what it does beyond the measured step (0.5 ms), not beyond the early reading."""
-    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True)
-    for _ in range(15):
-        policy.observe(1, 1, 0.0100, {1.0: (1, 1)})
-        policy.observe(2, 1, 0.0105, {1.0: (2, 2)})
-    for _ in range(5):
-        policy.observe(16, 1, 0.030 + 40 * 0.0005, {1.0: (16, 16)}, prompt_tokens=40)
-    policy.flush()
-    assert policy.prompt_token_cost[(16, 1)] == pytest.approx((0.050 - 0.0175) / 40, rel=0.05)  # the early reading
-    for _ in range(5):
-        policy.observe(16, 1, 0.030, {1.0: (16, 16)})
-    policy.prompt_cost(16, 1)
-    assert policy.prompt_token_cost[(16, 1)] == pytest.approx(0.0005, rel=0.01)
-
-
 def test_where_every_step_takes_a_prompt_each_window_is_priced_by_its_whole_steps():
     """Short answers at many streams: a request joins at every step, so no window is ever measured decoding
     alone. After an exploration's worth of such steps a window is priced by its whole steps (prompt

@@ -301,11 +301,12 @@ class AdaptiveTau:
         self._flow.add((prompt_tokens, sum(tokens for tokens, _ in accepted.values())))
         if prompt_tokens:  # what the prompts cost beyond the decoding step they joined (see prompt_cost)
             if slots in self._cost_model()[1]:
-                _cell(self._prompt_recent, (batch, slots), self._new_samples).append((seconds, prompt_tokens))
+                recent = _cell(self._prompt_recent, (batch, slots), self._new_samples)
+                recent.append(max(seconds - self.step_cost(batch, slots), 0.0) / prompt_tokens)
                 if (batch, slots) not in self.prompt_token_cost:
                     self._priced_windows[batch] = sorted({*self._priced_windows.get(batch, ()), slots})
                     self._prices = None
-                self.prompt_token_cost[(batch, slots)] = self._join_price(batch, slots)
+                self.prompt_token_cost[(batch, slots)] = _median(recent)
                 self._prices_unfitted += 1
                 if self._prices_unfitted >= self.refit_every:
                     self._prices = None
@@ -352,7 +353,7 @@ class AdaptiveTau:
     def prompt_cost(self, batch: int, slots: int) -> float:
         """Seconds of joining prompts per generated token while ``batch`` rows decode ``slots``-wide windows:
         the prompt tokens the traffic brings per generated token (the last ``flow_steps`` steps) times what
-        one costs beyond the step it joins (:meth:`_join_price`, over that cell's last join steps). Each request's
+        one costs beyond the step it joins (the median over that cell's last join steps). Each request's
         prompt is forwarded once whatever the arm, but not at the same price: beside more rows and wider
         windows it costs more. Batch size matters most: in-process on SmolLM2 in bf16 on a 2-core CPU a step
         that took prompts cost ~14 ms more than a decoding step at one row and ~33-45 ms more at 16, in the
@@ -384,24 +385,9 @@ class AdaptiveTau:
         non-negative shape drops the window terms and prices every window of a batch size alike."""
         if self._prices is None:
             self._prices_unfitted = 0
-            for b, w in list(self.prompt_token_cost):  # against the decoding costs as they read now
-                self.prompt_token_cost[(b, w)] = self._join_price(b, w)
             cells = [(b, w, price, len(self._prompt_recent[(b, w)])) for (b, w), price in self.prompt_token_cost.items()]
             self._prices = (self._fit(cells),)
         return self._prices[0]
-
-    def _join_price(self, batch: int, slots: int) -> float:
-        """Seconds a prompt token costs beside ``batch`` rows of ``slots``-slot windows: the median over the
-        cell's last join steps of what each took beyond the decoding step (:meth:`step_cost`, as it reads now)
-        per prompt token. Read again at each refit of the prices: filed against the decoding cost as it read
-        then, a join step beside a window hardly measured at that batch size kept that reading's error. In-process
-        on SmolLM2 at 16 streams, priced against the cost model's 57-60 ms for a 16-row 3-slot step (measured
-        later: 61-67 ms), the cell read 0.97 ms a prompt token, where the join steps regressed on their own
-        decoding cell cost ~0.5 ms a token beside 3-slot windows as beside 1-slot ones: the policy then scored
-        block size 2 level with tau = 1 there, and settled at tau = 1 it read 233-241 tokens/s against block size
-        2 fixed's 275."""
-        decoding = self.step_cost(batch, slots)
-        return _median([max(seconds - decoding, 0.0) / tokens for seconds, tokens in self._prompt_recent[(batch, slots)]])
 
     def _pair(self, step: tuple[int, int] | None, phase: str | None, arm: Arm) -> None:
         """File the step the policy rows took at ``arm`` (``(tokens, rows)``; None: none counted, a step
@@ -538,7 +524,6 @@ class AdaptiveTau:
         cells = [(b, w, self.cost[(b, w)], len(self._recent[(b, w)])) for b, w in self.cost]
         shape = self._fit(cells)
         self._model = (shape, {w for _, w, _, _ in cells})
-        self._prices = None  # the join steps' prices are read against these costs (see _join_price)
         return self._model
 
     def _fit(self, cells: list[tuple[int, int, float, int]]) -> tuple[float, float, float, float] | None:
