@@ -236,16 +236,14 @@ class AdaptiveTau:
         # the traffic's prompt tokens per generated token over the last `flow_steps` steps (see prompt_cost)
         self.prompt_token_cost: dict[tuple[int, int], float] = {}
         self._priced_windows: dict[int, list[int]] = {}  # batch -> the windows priced there (prompt_cost reads it)
-        # the prices' model (see _price_model), refitted after `refit_every` new prices or at a new cell
-        self._prices: tuple[tuple[float, float, float, float] | None] | None = None
-        self._prices_unfitted = 0
         self._prompt_recent: dict[tuple[int, int], deque] = {}
         self.flow_steps = flow_steps
         self._flow = SlidingSums(2, lambda sums, steps: steps >= self.flow_steps)  # (prompt tokens, generated) a step
-        self._model: tuple[tuple[float, float, float, float] | None, set[int]] | None = None  # see _cost_model
-        # the model is refitted after `refit_every` new samples, not each one: medians move slowly, and a fit
-        # (least squares over every cell) is most of a decision's time on a small model
-        self.refit_every, self._unfitted = refit_every, 0
+        # the step costs' and the prompt prices' models (see _cost_model, _price_model), each refitted after
+        # `refit_every` new samples, not each one: medians move slowly, and a fit (least squares over every cell)
+        # is most of a decision's time on a small model
+        self._costs = _LazyFit(refit_every, self._fit_costs)
+        self._prices = _LazyFit(refit_every, self._fit_prices)
         self.tpf: dict[Arm, float] = {1.0: 1.0}  # arm -> tokens per row and forward in its own window
         # paired ratios (see the module docstring): (arm a, arm b) -> (a tokens, a rows, b tokens, b rows) per
         # exploration of one beside the other
@@ -303,13 +301,11 @@ class AdaptiveTau:
             if slots in self._cost_model()[1]:
                 recent = _cell(self._prompt_recent, (batch, slots), self._new_samples)
                 recent.append(max(seconds - self.step_cost(batch, slots), 0.0) / prompt_tokens)
-                if (batch, slots) not in self.prompt_token_cost:
+                new = (batch, slots) not in self.prompt_token_cost
+                if new:
                     self._priced_windows[batch] = sorted({*self._priced_windows.get(batch, ()), slots})
-                    self._prices = None
                 self.prompt_token_cost[(batch, slots)] = _median(recent)
-                self._prices_unfitted += 1
-                if self._prices_unfitted >= self.refit_every:
-                    self._prices = None
+                self._prices.sample(new)
             else:  # a window not measured decoding alone yet: the whole step (see _whole_step_cost)
                 _cell(self._whole, (batch, slots), self._new_samples).append(seconds)
             if phase == "explore" and self._extended < self.explore_steps and not self._well_measured(batch, slots):
@@ -322,14 +318,11 @@ class AdaptiveTau:
                 explored, left = self._exploring or (arm, 0)
                 self._exploring = (explored, left + 1)
         else:
-            if (batch, slots) not in self._recent:  # a new cell: a window the model may not know yet
-                self._model = None
+            new = (batch, slots) not in self._recent  # a new cell: a window the model may not know yet
             recent = _cell(self._recent, (batch, slots), self._new_samples)
             recent.append(seconds)
             self.cost[(batch, slots)] = _median(recent)
-            self._unfitted += 1
-            if self._unfitted >= self.refit_every:
-                self._model = None
+            self._costs.sample(new)
         for row_arm, (tokens, rows) in accepted.items():
             if rows and row_arm != 1.0 and row_arm in self.candidates:  # a request's own tau is not a candidate
                 window = _cell(self._accepted, row_arm, self._new_tpf_window)
@@ -383,11 +376,11 @@ class AdaptiveTau:
         medians (weighted by their join steps, over the cells with ``cell_samples`` of them where they determine
         it). Where the cells say a prompt costs less beside wider windows (noise: see :meth:`prompt_cost`), the
         non-negative shape drops the window terms and prices every window of a batch size alike."""
-        if self._prices is None:
-            self._prices_unfitted = 0
-            cells = [(b, w, price, len(self._prompt_recent[(b, w)])) for (b, w), price in self.prompt_token_cost.items()]
-            self._prices = (self._fit(cells),)
-        return self._prices[0]
+        return self._prices.get()
+
+    def _fit_prices(self) -> tuple[float, float, float, float] | None:
+        return self._fit([(b, w, price, len(self._prompt_recent[(b, w)]))
+                          for (b, w), price in self.prompt_token_cost.items()])
 
     def _pair(self, step: tuple[int, int] | None, phase: str | None, arm: Arm) -> None:
         """File the step the policy rows took at ``arm`` (``(tokens, rows)``; None: none counted, a step
@@ -518,13 +511,11 @@ class AdaptiveTau:
         alone takes 92 ms, and in ``bench_serve`` at 16 streams the policy with such lines stayed at tau = 1
         for 87% of its steps while lossless at block size 2, fixed, was 8% faster than tau = 1 fixed. The
         cost per token forwarded is the same in every window."""
-        if self._model is not None:
-            return self._model
-        self._unfitted = 0
+        return self._costs.get()
+
+    def _fit_costs(self) -> tuple[tuple[float, float, float, float] | None, set[int]]:
         cells = [(b, w, self.cost[(b, w)], len(self._recent[(b, w)])) for b, w in self.cost]
-        shape = self._fit(cells)
-        self._model = (shape, {w for _, w, _, _ in cells})
-        return self._model
+        return self._fit(cells), {w for _, w, _, _ in cells}
 
     def _fit(self, cells: list[tuple[int, int, float, int]]) -> tuple[float, float, float, float] | None:
         """:func:`_shape` over the cells holding ``cell_samples`` samples where they determine it; the thin ones
@@ -746,6 +737,25 @@ class SlidingSums:
             total = self.total = rest
             if old_key is not None:
                 by_key[old_key] = tuple(map(operator.sub, by_key[old_key], old))
+
+
+class _LazyFit:
+    """A model fitted over measured cells when it is read, and kept until ``every`` samples have come in since
+    or a sample opened a new cell."""
+
+    def __init__(self, every: int, fit: Callable[[], object]):
+        self.every, self.fit = every, fit
+        self.value, self.fresh, self.since = None, False, 0
+
+    def sample(self, new_cell: bool) -> None:
+        self.since += 1
+        if new_cell or self.since >= self.every:
+            self.fresh = False
+
+    def get(self):
+        if not self.fresh:
+            self.value, self.fresh, self.since = self.fit(), True, 0
+        return self.value
 
 
 def _cell(cells: dict, key, make: Callable[[], object]):
