@@ -238,7 +238,7 @@ class AdaptiveTau:
         self._priced_windows: dict[int, list[int]] = {}  # batch -> the windows priced there (prompt_cost reads it)
         self._prompt_recent: dict[tuple[int, int], deque] = {}
         self.flow_steps = flow_steps
-        self._flow = SlidingSums(2, lambda sums, steps: steps >= self.flow_steps)  # (prompt tokens, generated) a step
+        self._flow = SlidingSums(2, steps=flow_steps)  # (prompt tokens, generated) a step
         # the step costs' and the prompt prices' models (see _cost_model, _price_model), each refitted after
         # `refit_every` new samples, not each one: medians move slowly, and a fit (least squares over every cell)
         # is most of a decision's time on a small model
@@ -335,13 +335,10 @@ class AdaptiveTau:
         return deque(maxlen=self.cost_samples)
 
     def _new_tpf_window(self) -> SlidingSums:  # the last `tpf_samples` rows' (tokens, rows), `tpf_steps` steps
-        return SlidingSums(2, self._holds_tpf_samples)
+        return SlidingSums(2, steps=self.tpf_steps, at_least={1: self.tpf_samples})
 
     def _new_pair_pool(self) -> SlidingSums:  # a pair's (a tokens, a rows, b tokens, b rows) per exploration
-        return SlidingSums(4, lambda sums, steps: min(sums[1], sums[3]) >= self.pair_samples)
-
-    def _holds_tpf_samples(self, sums: tuple[int, int], steps: int) -> bool:
-        return sums[1] >= self.tpf_samples and steps >= self.tpf_steps  # sums: (tokens, rows)
+        return SlidingSums(4, at_least={1: self.pair_samples, 3: self.pair_samples})
 
     def prompt_cost(self, batch: int, slots: int) -> float:
         """Seconds of joining prompts per generated token while ``batch`` rows decode ``slots``-wide windows:
@@ -530,34 +527,32 @@ class AdaptiveTau:
         (``lossless_rows``: rows that asked for the lossless mode themselves; ``modelled``: see
         :meth:`step_cost`)."""
         self.flush()
-        step = self._predicted(arm, self.tokens_per_forward(arm), tuple(fixed_taus), policy_rows, block_size,
-                               lossless_rows, modelled)
+        fixed_taus = tuple(fixed_taus)
+        slots = max(_own_window(arm, block_size), _named_window(fixed_taus, block_size, lossless_rows))
+        step = self._predicted(self.tokens_per_forward(arm), slots, policy_rows + len(fixed_taus) + lossless_rows,
+                               policy_rows, self._named_tokens(fixed_taus, lossless_rows), modelled)
         return None if step is None else step[0] / step[1]
 
-    def _predicted(self, arm: Arm, tpf: float | None, fixed_taus: tuple[float, ...], policy_rows: int,
-                   block_size: int, lossless_rows: int, modelled: bool) -> tuple[float, float] | None:
-        """(generated tokens, seconds) of one step of the batch with its policy rows at ``arm`` yielding ``tpf``
-        tokens a row, the joining prompts' share included; None while something in it is unmeasured."""
+    def _predicted(self, tpf: float | None, slots: int, batch: int, policy_rows: int, named_tokens: float,
+                   modelled: bool) -> tuple[float, float] | None:
+        """(generated tokens, seconds) of one step of ``batch`` rows whose widest reads ``slots`` slots, its
+        policy rows yielding ``tpf`` tokens each and the others ``named_tokens`` in all, the joining prompts'
+        share included; None while something in it is unmeasured."""
         if tpf is None:
             return None
-        slots = self._window(arm, fixed_taus, block_size, lossless_rows)
-        batch = policy_rows + len(fixed_taus) + lossless_rows
         cost = self.step_cost(batch, slots, modelled)
         if not cost:
             return None
-        generated = policy_rows * tpf
-        if fixed_taus or lossless_rows:  # rows that named their tau or mode
-            generated += sum(map(self._tpf_near, fixed_taus)) + lossless_rows * (self.tokens_per_forward(LOSSLESS) or 1.0)
+        generated = policy_rows * tpf + named_tokens
         # a window priced by whole steps holds its prompts already (see _whole_step_cost)
         charge = self.prompt_cost(batch, slots) if slots in self._cost_model()[1] else 0.0
         return generated, cost + generated * charge
 
-    @staticmethod
-    def _window(arm: Arm, fixed_taus: Sequence[float], block_size: int, lossless_rows: int) -> int:
-        """The slots the widest row reads in a step where the policy rows decode at ``arm``."""
-        own = 2 * arm_block_size(arm, block_size) - 1 if is_lossless(arm) else block_size if arm < 1.0 else 1
-        named = 2 * block_size - 1 if lossless_rows else block_size if any(t < 1.0 for t in fixed_taus) else 1
-        return max(own, named)
+    def _named_tokens(self, fixed_taus: tuple[float, ...], lossless_rows: int) -> float:
+        """Tokens a step yields the rows that named their tau or mode."""
+        if not fixed_taus and not lossless_rows:
+            return 0.0
+        return sum(map(self._tpf_near, fixed_taus)) + lossless_rows * (self.tokens_per_forward(LOSSLESS) or 1.0)
 
     def _scores(self, arms: Sequence[Arm], block_size: int,
                 load: dict[tuple[int, tuple[float, ...], int], int] | None = None) -> dict[Arm, float | None]:
@@ -574,15 +569,18 @@ class AdaptiveTau:
         another window's line it flipped the choice as the batch size moved by a row or two (on the default
         profile's toy, 13 rows favoured tau = 0.9 and 15 the lossless mode)."""
         tpf = {a: self.tokens_per_forward(a) for a in arms}
+        own = {a: _own_window(a, block_size) for a in arms}
         tokens: dict[Arm, float | None] = dict.fromkeys(arms, 0.0)
         seconds = dict.fromkeys(arms, 0.0)
         for (policy_rows, fixed_taus, lossless_rows), count in (Counter(self._load) if load is None else load).items():
             batch = policy_rows + len(fixed_taus) + lossless_rows
-            modelled = not all(self._well_measured(batch, self._window(a, fixed_taus, block_size, lossless_rows))
-                               for a in arms)
+            named = _named_window(fixed_taus, block_size, lossless_rows)
+            slots = {a: max(own[a], named) for a in arms}
+            modelled = not all(self._well_measured(batch, w) for w in slots.values())
+            named_tokens = self._named_tokens(fixed_taus, lossless_rows)
             for a in arms:
-                step = tokens[a] is not None and self._predicted(a, tpf[a], fixed_taus, policy_rows, block_size,
-                                                                 lossless_rows, modelled)
+                step = tokens[a] is not None and self._predicted(tpf[a], slots[a], batch, policy_rows, named_tokens,
+                                                                 modelled)
                 if not step:
                     tokens[a] = None
                     continue
@@ -610,8 +608,16 @@ class AdaptiveTau:
         own taus; ``greedy``: every policy row is greedy (else the lossless mode is not a candidate)."""
         if not policy_rows or not block_size or block_size < 2:
             return self.arm
-        self.decisions += 1
+        decisions = self.decisions = self.decisions + 1
         self._load.append((policy_rows, tuple(fixed_taus), lossless_rows))
+        # the regular turn, and the far arms' turn, come as much less often as a paired exploration lasts longer
+        # than `explore_steps` at this many rows: ~2% of the steps explore at any load
+        spacing = self._paired_length(policy_rows) / self.explore_steps
+        due = decisions - self._turn_at >= self.explore_every * spacing
+        choice = self._choice
+        if self._exploring is None and not due and choice is not None and choice[0] == (greedy, block_size) \
+                and decisions - choice[1] < self.rescore_every:
+            return self._use(self._settled)  # scored a few steps ago: the estimates and the load move slowly
         open_ = self._open(greedy, block_size)
         if self._exploring is not None:
             arm, left = self._exploring
@@ -622,14 +628,7 @@ class AdaptiveTau:
                 return self._use(arm, explore=True)
             self._exploring, self._explored_at = None, self.decisions
         settled = self._settled
-        # the regular turn, and the far arms' turn, come as much less often as a paired exploration lasts longer
-        # than `explore_steps` at this many rows: ~2% of the steps explore at any load
-        spacing = self._paired_length(policy_rows) / self.explore_steps
-        due = self.decisions - self._turn_at >= self.explore_every * spacing
         turn = (greedy, block_size)
-        if not due and self._choice is not None and self._choice[0] == turn \
-                and self.decisions - self._choice[1] < self.rescore_every:
-            return self._use(settled)  # scored a few steps ago: the estimates and the load move slowly
         self.flush()
         scores = self._scores(open_, block_size)
         best = _best(scores)
@@ -711,12 +710,14 @@ class AdaptiveTau:
 
 class SlidingSums:
     """Running sums of the latest records (tuples of counts), in total and by key (of keyed records): the
-    oldest record leaves while the others still hold enough (``enough(their sums, their count)``), so an add
-    costs O(1) amortized however long the window. Sums are new tuples on every change: /metrics reads them
-    from another thread."""
+    oldest record leaves while the others still number ``steps`` and hold, at each ``index: count`` of
+    ``at_least``, that many, so an add costs O(1) amortized however long the window. Sums are new tuples on
+    every change: /metrics reads them from another thread. The window's rule is data, not a callback called
+    per record: the engine's thread adds three records a step (replaying a recorded toy engine trace, the
+    policy's time went from 12.7 to 12.1 us a step)."""
 
-    def __init__(self, width: int, enough: Callable[[tuple, int], bool]):
-        self.enough = enough
+    def __init__(self, width: int, steps: int = 0, at_least: dict[int, int] | None = None):
+        self.steps, self.at_least = steps, tuple((at_least or {}).items())
         self.records: deque[tuple[object, tuple]] = deque()
         self.total: tuple = (0,) * width
         self.by_key: dict[object, tuple] = {}
@@ -728,11 +729,12 @@ class SlidingSums:
         if key is not None:
             sums = by_key.get(key)
             by_key[key] = tuple(record) if sums is None else tuple(map(operator.add, sums, record))
-        while records:
+        while len(records) > self.steps:  # the others would still number `steps`
             old_key, old = records[0]
             rest = tuple(map(operator.sub, total, old))
-            if not self.enough(rest, len(records) - 1):
-                break
+            for index, count in self.at_least:
+                if rest[index] < count:
+                    return
             records.popleft()
             total = self.total = rest
             if old_key is not None:
@@ -758,6 +760,16 @@ class _LazyFit:
         return self.value
 
 
+def _own_window(arm: Arm, block_size: int) -> int:
+    """The slots a row reads at ``arm`` (a step's cost class is its widest row's)."""
+    return 2 * arm_block_size(arm, block_size) - 1 if is_lossless(arm) else block_size if arm < 1.0 else 1
+
+
+def _named_window(fixed_taus: Sequence[float], block_size: int, lossless_rows: int) -> int:
+    """The slots the widest of the rows that named their tau or mode reads (1 where there are none)."""
+    return 2 * block_size - 1 if lossless_rows else block_size if any(t < 1.0 for t in fixed_taus) else 1
+
+
 def _cell(cells: dict, key, make: Callable[[], object]):
     """``cells[key]``, made by ``make()`` the first time (setdefault would build one on every call, on the
     engine's stepping thread)."""
@@ -779,9 +791,15 @@ def _median(values: deque) -> float:
 
 def _shape(cells: list[tuple[int, int, float, int]]) -> tuple[float, float, float, float] | None:
     """(a, c, d, e) >= 0 of seconds = a + c x batch + d x batch x slots + e x batch x [slots > 1], else without
-    the terms that fit below 0 (or that the cells do not determine: e needs two windows wider than one slot)."""
+    the terms that fit below 0 (or that the cells do not determine: e needs two windows wider than one slot).
+    Weighted least squares, each cell counting as often as it was sampled. The arrays are built once for every
+    set of terms tried: on the default profile's toy, building them took most of a fit's time, and a fit
+    comes every few dozen steps."""
+    root = np.sqrt(np.array([n for _, _, _, n in cells], dtype=float))
+    x = np.array([(1.0, b, b * w, b * (w > 1)) for b, w, _, _ in cells], dtype=float).reshape(-1, 4) * root[:, None]
+    y = np.array([s for _, _, s, _ in cells], dtype=float) * root
     for features in ((0, 1, 2, 3), (0, 2, 3), (0, 1, 2), (0, 2), (0, 1)):
-        fit = _least_squares(cells, features)
+        fit = _least_squares(x, y, features)
         if fit is not None and min(fit) >= 0.0:
             return fit
     return None
@@ -793,15 +811,10 @@ def _shape_at(shape: tuple[float, float, float, float], batch: int, slots: int) 
     return a + c * batch + d * batch * slots + (e * batch if slots > 1 else 0.0)
 
 
-def _least_squares(cells: list[tuple[int, int, float, int]],
-                   features: tuple[int, ...]) -> tuple[float, float, float, float] | None:
-    """Weighted least squares of seconds on the chosen ``features`` of (1, batch, batch x slots,
-    batch x [slots > 1]) over ``cells`` ``(batch, slots, seconds, samples)``; the terms left out are 0. None
-    when the cells do not determine the fit."""
-    x = np.array([(1.0, b, b * w, b * (w > 1)) for b, w, _, _ in cells], dtype=float).reshape(-1, 4)[:, list(features)]
-    root = np.sqrt([float(n) for _, _, _, n in cells])  # each cell counts as often as it was sampled
-    solution, _, rank, _ = np.linalg.lstsq(x * root[:, None], np.array([s for _, _, s, _ in cells]) * root,
-                                           rcond=None)
+def _least_squares(x: np.ndarray, y: np.ndarray, features: tuple[int, ...]) -> tuple[float, float, float, float] | None:
+    """Least squares of ``y`` on the chosen ``features`` (columns) of ``x``; the terms left out are 0. None
+    when the rows do not determine the fit."""
+    solution, _, rank, _ = np.linalg.lstsq(x[:, list(features)], y, rcond=None)
     if rank < len(features):
         return None
     fit = [0.0, 0.0, 0.0, 0.0]
