@@ -9,6 +9,14 @@ import pytest
 
 from mars.serving.tau_policy import LOSSLESS, AdaptiveTau, TauRange, narrow_lossless
 
+
+@pytest.fixture(autouse=True)
+def untimed_policy(monkeypatch):
+    """The policy's own work takes no time here (see test_..._within_its_budget_of_the_engines_time): what
+    it decides on the made-up steps does not depend on how fast this machine runs it."""
+    monkeypatch.setattr(AdaptiveTau, "clock", staticmethod(lambda: 0.0))
+
+
 B = 4
 NARROW = narrow_lossless(2)  # the lossless mode at block size 2: the last token, a draft and a mask
 SLOTS = {LOSSLESS: 2 * B - 1, NARROW: 3, 1.0: 1}  # any other arm (a tau < 1) reads B slots
@@ -405,6 +413,35 @@ def test_the_load_is_rescored_once_per_turn_not_at_each_change_of_batch():
     for step in range(64):
         policy.choose([], 3 + step % 2, B)
     assert 0 < len(scored) <= 64 // policy.rescore_every + 1
+
+
+def test_the_policy_rescores_and_refits_within_its_budget_of_the_engines_time():
+    """A rescoring (150 us here) and a refit of a cost model (350 us) come every ``rescore_every`` decisions and
+    ``refit_every`` samples at most, and as much less often as keeps each within ``budget`` (0.2%) of the
+    engine's time: beside a 40 ms step (SmolLM2 on a CPU) that is every 16 and 64, beside a 1 ms step (the
+    default profile's toy) every 75 and 175."""
+    def run(step_seconds: float) -> tuple[int, int]:
+        now = [0.0]
+        policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, explore_every=10 ** 6)
+        policy.clock = lambda: now[0]
+        counts = [0, 0]
+
+        def timed(method, seconds, index):
+            def run_timed(*args):
+                counts[index] += 1
+                now[0] += seconds
+                return method(*args)
+            return run_timed
+
+        policy._scores = timed(policy._scores, 150e-6, 0)
+        policy._costs.fit = timed(policy._costs.fit, 350e-6, 1)
+        gain = {LOSSLESS: 1.9, NARROW: 1.6, 0.9: 1.3}
+        drive(policy, 3000, lambda step: 1.0, gain, {w: step_seconds for w in (1, 3, B, 7)}, rows=4)
+        return counts[0], counts[1]
+
+    slow, fast = run(0.040), run(0.001)
+    assert slow[0] >= 3000 / 16 * 0.9 and slow[1] >= 3000 / 64 * 0.9
+    assert fast[0] <= 3000 / 75 * 1.2 and fast[1] <= 3000 / 175 * 1.3
 
 
 def test_the_arm_is_chosen_for_the_load_not_for_each_batch():

@@ -86,7 +86,9 @@ under a changing load most batch sizes are visited for a step or two.
 
 from __future__ import annotations
 
+import math
 import operator
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
@@ -173,6 +175,7 @@ class AdaptiveTau:
     """See the module docstring. The engine's stepping thread calls it; /metrics only reads it."""
 
     name = "adaptive"
+    clock = staticmethod(time.perf_counter)  # what the policy's own work is timed with (see _pace)
 
     def __init__(self, taus: TauRange, *, tpf_samples: int = 128, tpf_steps: int = 32, pair_samples: int = 1024,
                  pair_trust: int = 48, cost_samples: int = 15, cell_samples: int = 5, explore_steps: int = 3,
@@ -181,7 +184,7 @@ class AdaptiveTau:
                  rescore_every: int = 16, load_steps: int = 32, refit_every: int = 64, switch_margin: float = 0.05,
                  enter_margin: float = 0.01, pair_gap: int = 4,
                  flow_steps: int = 512, candidates: Sequence[float] | None = None, lossless: bool = False,
-                 lossless_block_sizes: Sequence[int] = (2,)):
+                 lossless_block_sizes: Sequence[int] = (2,), budget: float = 0.002):
         self.taus = taus
         self.candidates: list[Arm] = sorted(candidates) if candidates else taus.candidates()
         if lossless:  # narrow arms only where the batch's B is wider (see _open)
@@ -220,6 +223,15 @@ class AdaptiveTau:
         # toy's ~1.1 ms step at one stream, and 16 (and 64) read 0.931 of the best fixed setting in-process there
         # against 0.915 (three alternating runs each): a load outlasts 16 steps (on SmolLM2, ~1 s)
         self.rescore_every = rescore_every
+        # ... and less often where a rescoring, or a refit of the cost models, would take more than `budget` of the
+        # engine's time (each measured, a moving average, against the mean step): on the default profile's toy (a
+        # ~1.8 ms step, in-process on a bursty trace) the policy took 2% of the engine's time, a third of it in
+        # rescorings (~150 us each) and a fifth in refits (~350 us); on SmolLM2 (a 20-80 ms step) the budget
+        # leaves both at `rescore_every` and `refit_every`
+        self.budget = budget
+        self._rescore_interval = rescore_every
+        self._mean_step: float | None = None  # seconds per engine iteration, a moving average
+        self._scoring: float | None = None  # seconds per rescoring, a moving average (refits apart)
         self._load: deque[tuple[int, tuple[float, ...], int]] = deque(maxlen=load_steps)  # (policy rows, named
         # taus, named lossless rows) of each decision
         self._open_memo: dict[tuple[bool, int], list[Arm]] = {}  # (greedy, B) -> the candidates open
@@ -242,8 +254,8 @@ class AdaptiveTau:
         # the step costs' and the prompt prices' models (see _cost_model, _price_model), each refitted after
         # `refit_every` new samples, not each one: medians move slowly, and a fit (least squares over every cell)
         # is most of a decision's time on a small model
-        self._costs = _LazyFit(refit_every, self._fit_costs)
-        self._prices = _LazyFit(refit_every, self._fit_prices)
+        self._costs = _LazyFit(refit_every, self._fit_costs, self._allowed, lambda: self.clock())
+        self._prices = _LazyFit(refit_every, self._fit_prices, self._allowed, lambda: self.clock())
         self.tpf: dict[Arm, float] = {1.0: 1.0}  # arm -> tokens per row and forward in its own window
         # paired ratios (see the module docstring): (arm a, arm b) -> (a tokens, a rows, b tokens, b rows) per
         # exploration of one beside the other
@@ -296,6 +308,8 @@ class AdaptiveTau:
     def _file(self, batch: int, slots: int, seconds: float, accepted: dict[Arm, tuple[int, int]],
               prompt_tokens: int, phase: str | None, arm: Arm) -> None:
         """One observed step (see :meth:`observe`): ``phase`` and ``arm``, what the policy rows took it as."""
+        mean = self._mean_step
+        self._mean_step = seconds if mean is None else mean + (seconds - mean) / 64
         self._flow.add((prompt_tokens, sum(tokens for tokens, _ in accepted.values())))
         if prompt_tokens:  # what the prompts cost beyond the decoding step they joined (see prompt_cost)
             if slots in self._cost_model()[1]:
@@ -616,7 +630,7 @@ class AdaptiveTau:
         due = decisions - self._turn_at >= self.explore_every * spacing
         choice = self._choice
         if self._exploring is None and not due and choice is not None and choice[0] == (greedy, block_size) \
-                and decisions - choice[1] < self.rescore_every:
+                and decisions - choice[1] < self._rescore_interval:
             return self._use(self._settled)  # scored a few steps ago: the estimates and the load move slowly
         open_ = self._open(greedy, block_size)
         if self._exploring is not None:
@@ -630,7 +644,9 @@ class AdaptiveTau:
         settled = self._settled
         turn = (greedy, block_size)
         self.flush()
+        started, fitting = self.clock(), self._costs.spent + self._prices.spent
         scores = self._scores(open_, block_size)
+        self._pace(self.clock() - started - (self._costs.spent + self._prices.spent - fitting))
         best = _best(scores)
         if best is None:  # measure before judging: the widest unmeasured window first
             self._choice = None
@@ -656,6 +672,18 @@ class AdaptiveTau:
         self._choice = (turn, self.decisions)
         self._settled = best
         return self._use(best)
+
+    def _allowed(self) -> float | None:
+        """Seconds of the policy's work a step may carry (``budget`` of the mean step); None before a step."""
+        return None if self._mean_step is None else self.budget * self._mean_step
+
+    def _pace(self, seconds: float) -> None:
+        """A rescoring took ``seconds`` (its refits apart): rescore no more often than keeps the moving average
+        within the budget (:meth:`_allowed`), and at least every ``rescore_every`` decisions."""
+        self._scoring = seconds if self._scoring is None else self._scoring + (seconds - self._scoring) / 8
+        allowed = self._allowed()
+        if allowed:
+            self._rescore_interval = max(self.rescore_every, math.ceil(self._scoring / allowed))
 
     def best(self, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
              lossless_rows: int = 0, greedy: bool = True) -> Arm | None:
@@ -743,20 +771,31 @@ class SlidingSums:
 
 class _LazyFit:
     """A model fitted over measured cells when it is read, and kept until ``every`` samples have come in since
-    or a sample opened a new cell."""
+    or a sample opened a new cell; where a fit (a moving average of its seconds) takes more than ``allowed()``
+    seconds a sample, until as many more as keep it within that."""
 
-    def __init__(self, every: int, fit: Callable[[], object]):
-        self.every, self.fit = every, fit
-        self.value, self.fresh, self.since = None, False, 0
+    def __init__(self, every: int, fit: Callable[[], object], allowed: Callable[[], float | None],
+                 clock: Callable[[], float]):
+        self.every, self.fit, self.allowed, self.clock = every, fit, allowed, clock
+        self.value, self.fresh, self.since, self.interval = None, False, 0, every
+        self.seconds: float | None = None  # a fit's, a moving average
+        self.spent = 0.0  # seconds fitting in all
 
     def sample(self, new_cell: bool) -> None:
         self.since += 1
-        if new_cell or self.since >= self.every:
+        if new_cell or self.since >= self.interval:
             self.fresh = False
 
     def get(self):
         if not self.fresh:
+            started = self.clock()
             self.value, self.fresh, self.since = self.fit(), True, 0
+            took = self.clock() - started
+            self.spent += took
+            self.seconds = took if self.seconds is None else self.seconds + (took - self.seconds) / 8
+            allowed = self.allowed()
+            if allowed:
+                self.interval = max(self.every, math.ceil(self.seconds / allowed))
         return self.value
 
 
