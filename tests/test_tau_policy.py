@@ -85,11 +85,13 @@ def test_the_lossless_mode_narrows_where_a_wide_window_costs_much():
     assert NARROW not in {AdaptiveTau(taus, lossless=True).choose([], 4, 2) for _ in range(400)}
 
 
-@pytest.mark.parametrize("settled, arm, margin", [(1.0, 0.9, 0.05), (LOSSLESS, 0.9, 0.05), (0.9, LOSSLESS, 0.01)])
+@pytest.mark.parametrize("settled, arm, margin", [(1.0, 0.9, 0.05), (LOSSLESS, 0.9, 0.05), (0.9, LOSSLESS, 0.01),
+                                                  (NARROW, LOSSLESS, 0.01), (LOSSLESS, NARROW, 0.01)])
 def test_the_settled_arm_moves_only_for_a_gain_above_the_margin(settled, arm, margin):
     """Step costs wander on a shared CPU, so the settled arm moves only for a predicted gain above 5%; into
-    the lossless mode from a tau above 1% (its output is tau = 1.0's: a tau < 1 has to earn its score
-    loss, and where they tie the policy decodes losslessly)."""
+    the lossless mode from a tau, or to another lossless width, above 1% (its output is tau = 1.0's: a
+    tau < 1 has to earn its score loss, and where they tie the policy decodes losslessly; between widths
+    the output is the same and the move costs at most a step with fewer drafts)."""
     for gain in (1 + margin / 2, 1 + 2 * margin):
         policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(),
                              explore_every=10 ** 6, pair_trust=0)

@@ -51,6 +51,9 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   ``enter_margin``: its output is tau = 1.0's, so a tau < 1 has to earn its score loss by a clear gain,
   and where the two tie the policy decodes losslessly (on the toy, tau = 0.9 and lossless at B were
   within noise at every load, and settled at tau = 0.9 by one noisy estimate the policy stayed there).
+  So does a move between lossless widths: the same greedy output, for at most one step with fewer drafts
+  (on SmolLM2 in bf16 at 4 streams, settled at block size 2 on its first estimates, the policy stayed
+  there for 94% of a level whose end it scored B 5.7% ahead, where B fixed was 2.3% faster).
 * with ``lossless`` one more candidate is the lossless mode (:mod:`mars.decoding.loop`): tau = 1.0's
   greedy output with the mask slots as verified drafts, so it costs no score at all. Its window is the
   widest (the last token, B-1 drafts, B-1 masks: 2B-1 slots), so it wins where a wide step is cheap (few
@@ -238,7 +241,7 @@ class AdaptiveTau:
         self._choice: tuple[tuple[bool, int], int] | None = None  # ((greedy, B), the decision the settled arm was
         # scored at); None after an exploration starts: its measurements are scored at the next decision
         # the settled arm moves only for a predicted gain above this (see the module docstring), into the
-        # lossless mode from a tau above `enter_margin`
+        # lossless mode (from a tau or another width) above `enter_margin`
         self.switch_margin, self.enter_margin = switch_margin, enter_margin
         self._settled: Arm = LOSSLESS if lossless else taus.default  # the last choice that was not an exploration
         self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
@@ -658,8 +661,8 @@ class AdaptiveTau:
             return self._explore(min(near, key=lambda a: self.last_seen.get(a, -1)), policy_rows)
         if best != settled and settled in scores:
             now = scores[settled]
-            # into the lossless mode from a tau: it costs no score, only the move's step without drafts
-            margin = self.enter_margin if is_lossless(best) and not is_lossless(settled) else self.switch_margin
+            # into the lossless mode, from a tau or another width: it costs no score, only a step with fewer drafts
+            margin = self.enter_margin if is_lossless(best) else self.switch_margin
             if now and scores[best] < now * (1 + margin):
                 best = settled
         if best != settled and settled in scores and 1.0 not in (best, settled) and not self._trusted(best, settled):
