@@ -178,7 +178,7 @@ class AdaptiveTau:
     """See the module docstring. The engine's stepping thread calls it; /metrics only reads it."""
 
     name = "adaptive"
-    clock = staticmethod(time.perf_counter)  # what the policy's own work is timed with (see _pace)
+    clock = staticmethod(time.perf_counter)  # what the policy's own work is timed with (see _Pace)
 
     def __init__(self, taus: TauRange, *, tpf_samples: int = 128, tpf_steps: int = 32, pair_samples: int = 1024,
                  pair_trust: int = 48, cost_samples: int = 15, cell_samples: int = 5, explore_steps: int = 3,
@@ -232,9 +232,8 @@ class AdaptiveTau:
         # rescorings (~150 us each) and a fifth in refits (~350 us); on SmolLM2 (a 20-80 ms step) the budget
         # leaves both at `rescore_every` and `refit_every`
         self.budget = budget
-        self._rescore_interval = rescore_every
         self._mean_step: float | None = None  # seconds per engine iteration, a moving average
-        self._scoring: float | None = None  # seconds per rescoring, a moving average (refits apart)
+        self._rescoring = _Pace(rescore_every, self._allowed)  # a rescoring's seconds, refits apart
         self._load: deque[tuple[int, tuple[float, ...], int]] = deque(maxlen=load_steps)  # (policy rows, named
         # taus, named lossless rows) of each decision
         self._open_memo: dict[tuple[bool, int], list[Arm]] = {}  # (greedy, B) -> the candidates open
@@ -633,7 +632,7 @@ class AdaptiveTau:
         due = decisions - self._turn_at >= self.explore_every * spacing
         choice = self._choice
         if self._exploring is None and not due and choice is not None and choice[0] == (greedy, block_size) \
-                and decisions - choice[1] < self._rescore_interval:
+                and decisions - choice[1] < self._rescoring.interval:
             return self._use(self._settled)  # scored a few steps ago: the estimates and the load move slowly
         open_ = self._open(greedy, block_size)
         if self._exploring is not None:
@@ -649,7 +648,7 @@ class AdaptiveTau:
         self.flush()
         started, fitting = self.clock(), self._costs.spent + self._prices.spent
         scores = self._scores(open_, block_size)
-        self._pace(self.clock() - started - (self._costs.spent + self._prices.spent - fitting))
+        self._rescoring.took(self.clock() - started - (self._costs.spent + self._prices.spent - fitting))
         best = _best(scores)
         if best is None:  # measure before judging: the widest unmeasured window first
             self._choice = None
@@ -679,14 +678,6 @@ class AdaptiveTau:
     def _allowed(self) -> float | None:
         """Seconds of the policy's work a step may carry (``budget`` of the mean step); None before a step."""
         return None if self._mean_step is None else self.budget * self._mean_step
-
-    def _pace(self, seconds: float) -> None:
-        """A rescoring took ``seconds`` (its refits apart): rescore no more often than keeps the moving average
-        within the budget (:meth:`_allowed`), and at least every ``rescore_every`` decisions."""
-        self._scoring = seconds if self._scoring is None else self._scoring + (seconds - self._scoring) / 8
-        allowed = self._allowed()
-        if allowed:
-            self._rescore_interval = max(self.rescore_every, math.ceil(self._scoring / allowed))
 
     def best(self, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
              lossless_rows: int = 0, greedy: bool = True) -> Arm | None:
@@ -772,21 +763,35 @@ class SlidingSums:
                 by_key[old_key] = tuple(map(operator.sub, by_key[old_key], old))
 
 
+class _Pace:
+    """How often a piece of the policy's work comes: every ``every`` turns (decisions, samples) at least, and as
+    much less often as keeps it (its seconds, a moving average) within ``allowed()`` seconds a turn."""
+
+    def __init__(self, every: int, allowed: Callable[[], float | None]):
+        self.every, self.allowed, self.interval = every, allowed, every
+        self.seconds: float | None = None
+
+    def took(self, seconds: float) -> None:
+        self.seconds = seconds if self.seconds is None else self.seconds + (seconds - self.seconds) / 8
+        allowed = self.allowed()
+        if allowed:
+            self.interval = max(self.every, math.ceil(self.seconds / allowed))
+
+
 class _LazyFit:
-    """A model fitted over measured cells when it is read, and kept until ``every`` samples have come in since
-    or a sample opened a new cell; where a fit (a moving average of its seconds) takes more than ``allowed()``
-    seconds a sample, until as many more as keep it within that."""
+    """A model fitted over measured cells when it is read, and kept until a sample opened a new cell or as many
+    samples have come in since as its pace allows (``every``, or more where a fit would take more than
+    ``allowed()`` seconds a sample: :class:`_Pace`)."""
 
     def __init__(self, every: int, fit: Callable[[], object], allowed: Callable[[], float | None],
                  clock: Callable[[], float]):
-        self.every, self.fit, self.allowed, self.clock = every, fit, allowed, clock
-        self.value, self.fresh, self.since, self.interval = None, False, 0, every
-        self.seconds: float | None = None  # a fit's, a moving average
+        self.fit, self.clock, self.pace = fit, clock, _Pace(every, allowed)
+        self.value, self.fresh, self.since = None, False, 0
         self.spent = 0.0  # seconds fitting in all
 
     def sample(self, new_cell: bool) -> None:
         self.since += 1
-        if new_cell or self.since >= self.interval:
+        if new_cell or self.since >= self.pace.interval:
             self.fresh = False
 
     def get(self):
@@ -795,10 +800,7 @@ class _LazyFit:
             self.value, self.fresh, self.since = self.fit(), True, 0
             took = self.clock() - started
             self.spent += took
-            self.seconds = took if self.seconds is None else self.seconds + (took - self.seconds) / 8
-            allowed = self.allowed()
-            if allowed:
-                self.interval = max(self.every, math.ceil(self.seconds / allowed))
+            self.pace.took(took)
         return self.value
 
 
