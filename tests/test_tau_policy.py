@@ -280,13 +280,13 @@ def test_the_paired_ratio_is_one_number_whichever_arm_was_explored():
 
 def test_an_exploration_lasts_long_enough_to_pair_a_lone_rows_tokens():
     """A paired exploration runs ``explore_rows`` row-steps (12 steps of one row, 3 of 4 rows or more), plus
-    the step a move into the lossless mode costs; tau = 1, whose yield is known, only its few steps."""
+    the move's first step, which the engine does not count; tau = 1, whose yield is known, only its few steps."""
     def explored_steps(arm, rows):
         policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, explore_every=10 ** 6)
         policy._explore(arm, rows)
         return 1 + sum(policy.choose([], rows, B) == arm and policy._phase == "explore" for _ in range(40))
 
-    assert explored_steps(0.9, 1) == 12 and explored_steps(0.9, 4) == 3 and explored_steps(0.9, 16) == 3
+    assert explored_steps(0.9, 1) == 13 and explored_steps(0.9, 4) == 4 and explored_steps(0.9, 16) == 4
     assert explored_steps(NARROW, 1) == 13 and explored_steps(1.0, 1) == 3
 
 
