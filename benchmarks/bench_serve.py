@@ -129,9 +129,10 @@ def server_counters(server: Server) -> dict:
                 counters["step_seconds"] = sample.value
             elif sample.name == "mars_joining_step_seconds_total":
                 counters["joining_seconds"] = sample.value
-            elif sample.name in ("mars_step_cost_seconds", "mars_prompt_token_cost_seconds"):
-                cell = f"{sample.labels['batch']}x{sample.labels['window']}"
-                state["step_cost" if sample.name == "mars_step_cost_seconds" else "prompt_token_cost"][cell] = sample.value
+            elif sample.name == "mars_step_cost_seconds":
+                state["step_cost"][f"{sample.labels['batch']}x{sample.labels['window']}"] = sample.value
+            elif sample.name == "mars_prompt_token_cost_seconds":
+                state["prompt_token_cost"][sample.labels["batch"]] = sample.value
             elif sample.name == "mars_tokens_per_forward":
                 state["tokens_per_forward"][sample.labels["tau"]] = sample.value
     counters["policy_state"] = state

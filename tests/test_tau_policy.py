@@ -178,8 +178,7 @@ def drive(policy: AdaptiveTau, steps: int, difficulty, gain: dict, cost: dict, r
           prompts: tuple[int, int] | None = None, prompt_cost: dict | None = None) -> list:
     """``steps`` engine steps at ``rows`` rows (or ``rows(step)``): a step at arm a yields difficulty(step) x
     gain[a] tokens a row (tau = 1: one), and costs cost[slots] (or cost[rows][slots] where ``cost`` is keyed by
-    the batch size); a move into the lossless mode or to another lossless width
-    yields no counted step (the engine leaves its step with the old arm's drafts out). ``prompts = (P, L)``:
+    the batch size); a move yields no counted step (the engine leaves a row's first step at a new arm out). ``prompts = (P, L)``:
     a request of P prompt tokens joins for every L tokens generated, costing prompt_cost[slots] a prompt
     token on top of its step. Returns the arm of every step that was not an exploration."""
     arms, before, owed = [], None, 0.0
@@ -190,7 +189,7 @@ def drive(policy: AdaptiveTau, steps: int, difficulty, gain: dict, cost: dict, r
         arm = policy.choose([], rows, B)
         exploring = policy._phase == "explore"
         tpf = 1.0 if arm == 1.0 else difficulty(step) * gain[arm]
-        moved = arm in (LOSSLESS, NARROW) and before != arm
+        moved = before is not None and before != arm
         joining = 0
         if prompts and owed >= prompts[1]:
             joining, owed = prompts[0], owed - prompts[1]
@@ -203,23 +202,25 @@ def drive(policy: AdaptiveTau, steps: int, difficulty, gain: dict, cost: dict, r
     return arms
 
 
-def test_the_prompts_joining_beside_a_window_count_in_its_cost():
-    """At 16 rows the decoding steps alone favour lossless at block size 2 (1.6 tokens a row per 15 ms
-    against tau = 1's one per 10 ms: 7% ahead). But two 60-token prompts join for every 50 tokens generated,
-    and a prompt token costs 0.4 ms beside 1-slot windows and 0.5 ms beside 3-slot ones: per generated
-    token tau = 1 then takes 0.625 + 2.4 x 0.4 = 1.585 ms, block size 2 0.586 + 2.4 x 0.5 = 1.786 ms."""
+def test_joining_prompts_count_in_every_arms_cost_at_their_batch_sizes_price():
+    """At 16 rows lossless at block size 2 yields 1.6 tokens a row per 15 ms step, tau = 1 one per 10 ms.
+    Two 60-token prompts join for every 50 tokens generated, at 0.45 ms a prompt token beside any window (the
+    backend packs a prompt beside the windows): per generated token block size 2 then takes 0.586 + 2.4 x
+    0.45 = 1.666 ms, tau = 1 0.625 + 1.08 = 1.705 ms. The prompts lower every arm's predicted tokens/s by
+    the same time per token, and the order stays that of the decoding steps."""
     gain = {LOSSLESS: 1.9, NARROW: 1.6, 0.9: 1.3}
     cost = {1: 0.010, 3: 0.015, B: 0.0175, 7: 0.025}  # 7.5 ms and 2.5 ms a slot
-    per_prompt_token = {1: 0.0004, 3: 0.0005, B: 0.0006, 7: 0.0007}
+    per_prompt_token = dict.fromkeys(cost, 0.00045)
     decoding_only, with_prompts = (AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True) for _ in range(2))
     drive(decoding_only, 800, lambda step: 1.0, gain, cost, rows=16)
     arms = drive(with_prompts, 800, lambda step: 1.0, gain, cost, rows=16, prompts=(120, 50),
                  prompt_cost=per_prompt_token)
-    assert decoding_only.best([], 16, B) == NARROW
-    assert with_prompts.best([], 16, B) == 1.0
-    assert arms[-300:].count(1.0) > 280
-    assert with_prompts.prompt_cost(16, 1) == pytest.approx(60 / 25 * 0.0004, rel=0.05)
-    assert with_prompts.prompt_cost(16, 3) == pytest.approx(60 / 25 * 0.0005, rel=0.05)
+    assert decoding_only.best([], 16, B) == with_prompts.best([], 16, B) == NARROW
+    assert arms[-300:].count(NARROW) > 280
+    assert with_prompts.prompt_cost(16) == pytest.approx(60 / 25 * 0.00045, rel=0.05)
+    assert decoding_only.predict(NARROW, [], 16, B) == pytest.approx(1 / 0.000586, rel=0.05)
+    assert with_prompts.predict(NARROW, [], 16, B) == pytest.approx(1 / 0.001666, rel=0.05)
+    assert with_prompts.predict(1.0, [], 16, B) == pytest.approx(1 / 0.001705, rel=0.05)
 
 
 def test_tokens_per_forward_is_compared_on_the_same_requests_not_across_time():
@@ -326,8 +327,8 @@ def test_an_exploration_is_not_lengthened_where_its_cell_is_measured_already():
 def test_a_prompt_is_priced_at_the_load_it_joins():
     """A prompt joining one row rides on a step that streams the weights anyway; beside 16 rows it costs
     what a 16-row step's tokens cost. Every window measured joining at one stream (0.15 ms a prompt token),
-    at 16 streams only tau = 1's (0.6 ms): there the lossless mode's prompts are charged the 16-row price,
-    and tau = 1 is the best. Per generated token (2.5 prompt tokens each) tau = 1 takes 45 / 16 + 1.5 =
+    at 16 streams only tau = 1's (0.6 ms): a prompt's price is its batch size's whatever the window, so there
+    the lossless mode's prompts are charged the 16-row price, and tau = 1 is the best. Per generated token (2.5 prompt tokens each) tau = 1 takes 45 / 16 + 1.5 =
     4.3 ms and the lossless mode at B 109 / 30 + 1.5 = 5.1 ms; charged the one-stream price, the lossless
     mode would read 3.6 + 0.4 = 4.0 ms and look the best."""
     policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, flow_steps=60)
@@ -346,20 +347,47 @@ def test_a_prompt_is_priced_at_the_load_it_joins():
     heavy = {1: 0.045, 3: 0.076, B: 0.080, 7: 0.109}
     steps(16, [LOSSLESS, NARROW, 0.9], heavy, None, count=5)  # decoding steps only
     steps(16, [1.0], heavy, 0.0006, count=80)
-    assert policy.prompt_token_cost[(1, 7)] == pytest.approx(0.00015)
-    assert policy.prompt_token_cost[(16, 1)] == pytest.approx(0.0006)
-    assert policy.prompt_cost(16, 7) == pytest.approx(4 * policy.prompt_cost(1, 7))  # the nearest batch's price
+    assert policy.prompt_token_cost == {1: pytest.approx(0.00015), 16: pytest.approx(0.0006)}
+    assert policy.prompt_cost(16) == pytest.approx(4 * policy.prompt_cost(1))
     assert policy.best([], 16, B) == 1.0
     assert policy.best([], 1, B) == LOSSLESS
 
 
-def test_prompt_prices_are_read_off_one_model_over_every_priced_cell():
+def test_a_window_is_priced_against_the_settled_one_side_by_side_not_against_its_cell_of_another_time():
+    """A window the policy is not settled in is measured only while explored. Here tau = 0.9's 4-slot steps
+    and the lossless mode's 7-slot ones cost the same, 10 ms, but the CPU was 25% slower while tau = 0.9 was
+    explored and has not been since: its cell still reads 12.5 ms where the settled window's reads 10. Each
+    exploration's steps against the settled arm's just before and after read the two windows alike, and
+    tau = 0.9 is priced at the settled window's cost now."""
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=(), explore_every=10)
+    before = None
+
+    def run(steps, slowdown):
+        nonlocal before
+        for _ in range(steps):
+            arm = policy.choose([], 1, B)
+            tokens = 1 if arm == 1.0 else 2  # tau = 0.9 and the lossless mode yield alike too
+            policy.observe(1, slots(arm), 0.010 * slowdown, {} if before not in (None, arm) else {arm: (tokens, 1)})
+            before = arm
+
+    run(400, 1.25)
+    policy.explore_every = 10 ** 6
+    run(30, 1.25)  # the last exploration's bracket closes
+    explored = policy.last_seen[0.9]
+    run(200, 1.0)
+    assert policy._settled == LOSSLESS and policy.last_seen[0.9] == explored
+    assert policy.cost[(1, B)] == pytest.approx(0.0125) and policy.cost[(1, 2 * B - 1)] == pytest.approx(0.010)
+    assert policy._cost_ratio(1, B, 2 * B - 1) == pytest.approx(1.0)
+    tpf = policy.tokens_per_forward(0.9)
+    assert policy.predict(0.9, [], 1, B) == pytest.approx(tpf / 0.010)
+
+
+def test_prompt_prices_are_per_batch_size_and_read_off_one_line_over_them():
     """A joining prompt's price per token is a join step's seconds beyond the decoding step it joined, per batch
-    size and window. Over HTTP those cells' medians move by 4x from one batch size to the next (SmolLM2 at 16
-    streams: 2.6 ms beside 16 rows' 3-slot windows, 0.59 beside 15 rows'); read cell by cell, the narrow window's
-    prompts cost twice the wide one's at 16 rows and the policy kept the wide window where the narrow one was 11%
-    faster. Read off one non-negative model over every cell, a price never falls as the window widens: here the
-    cells say it does at 16 rows and at 4, not at 14 or 15, and the model prices both windows of a batch size alike."""
+    size, whatever the window beside it (the backend packs the prompt beside the windows). Over HTTP a batch
+    size's median moves by 4x from one batch size to the next (SmolLM2 at 16 streams: 2.6 ms beside 16 rows'
+    3-slot windows, 0.59 beside 15 rows'); the price is read off one non-negative line over the batch sizes,
+    so it never falls as rows are added and a noisy batch size does not set its own."""
     policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True)
     # that run's cells at 16 streams (ms a prompt token), and a few of its cells at one and four
     noisy = {(16, 3): 0.0026, (15, 3): 0.00059, (14, 3): 0.0013, (16, 7): 0.00157, (15, 7): 0.00037, (14, 7): 0.00053,
@@ -369,38 +397,40 @@ def test_prompt_prices_are_read_off_one_model_over_every_priced_cell():
             policy.observe(rows, slots, 0.030 + rows * slots * 0.001, {1.0: (rows, rows)})
         for _ in range(6):
             policy.observe(rows, slots, 0.030 + rows * slots * 0.001 + 40 * price, {1.0: (rows, rows)}, prompt_tokens=40)
-    assert policy.prompt_token_cost[(16, 3)] == pytest.approx(0.0026)  # what /metrics shows: the cells
-    narrow, wide = policy.prompt_cost(16, 3), policy.prompt_cost(16, 7)
-    assert narrow == pytest.approx(wide)
+    # what /metrics shows: each batch size's median, over both windows
+    assert policy.prompt_token_cost[16] == pytest.approx((0.0026 + 0.00157) / 2)
+    assert set(policy.prompt_token_cost) == {1, 4, 14, 15, 16}
     prompt_tokens, generated = policy._flow.total
-    assert min(noisy.values()) < narrow * generated / prompt_tokens < max(noisy.values())  # a price per token
+    price = {rows: policy.prompt_cost(rows) * generated / prompt_tokens for rows in (1, 4, 14, 15, 16)}
+    assert price[1] <= price[4] <= price[14] <= price[15] <= price[16]
+    assert price[15] > policy.prompt_token_cost[15] and price[16] < policy.prompt_token_cost[16]
+    assert min(noisy.values()) < price[16] < max(noisy.values())
 
 
 def test_where_every_step_takes_a_prompt_each_window_is_priced_by_its_whole_steps():
     """Short answers at many streams: a request joins at every step, so no window is ever measured decoding
     alone. After an exploration's worth of such steps a window is priced by its whole steps (prompt
     included, no prompt charged on top), and the policy settles on the arm with the most tokens per whole
-    step (here lossless at block size 2: 25.6 tokens in 45 ms, against tau = 1's 16 in 34, the lossless
-    mode's 30.4 in 67 and tau = 0.9's 20.8 in 53.5) instead of exploring the first window it cannot measure
+    step (here lossless at block size 2: 25.6 tokens in 42 ms, against tau = 1's 16 in 37, the lossless
+    mode's 30.4 in 52 and tau = 0.9's 20.8 in 44.5) instead of exploring the first window it cannot measure
     for good. Where decoding steps come too, they price the window, and its whole steps are set aside."""
     gain = {LOSSLESS: 1.9, NARROW: 1.6, 0.9: 1.3}
     cost = {1: 0.010, 3: 0.015, B: 0.0175, 7: 0.025}
-    per_prompt_token = {1: 0.0004, 3: 0.0005, B: 0.0006, 7: 0.0007}
+    per_prompt_token = dict.fromkeys(cost, 0.00045)
     policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True)
     arms = drive(policy, 800, lambda step: 1.0, gain, cost, rows=16, prompts=(60, 10), prompt_cost=per_prompt_token)
     assert len(arms) > 700  # settled, not exploring
     assert arms[-300:].count(NARROW) > 280
     # whole steps are kept apart: the decoding cells and the prompt prices hold only what decoding steps
     # measured (the first step, before any request joined, at the lossless mode's 7 slots)
-    assert set(policy.cost) == {(16, 2 * B - 1)} and set(policy.prompt_token_cost) <= {(16, 2 * B - 1)}
-    # then requests get longer: about every other step decodes alone, and prompts are priced beside
-    # decoding steps (against whole steps they would read ~0, and the prompts decide the arm here: see
-    # test_the_prompts_joining_beside_a_window_count_in_its_cost)
+    assert set(policy.cost) == {(16, 2 * B - 1)} and set(policy.prompt_token_cost) <= {16}
+    # then requests get longer: about every other step decodes alone, the windows are priced by their decoding
+    # steps, and prompts beside them (against whole steps they would read ~0)
     policy.explore_every = 20  # a new load: re-measure soon
     arms = drive(policy, 1200, lambda step: 1.0, gain, cost, rows=16, prompts=(120, 50), prompt_cost=per_prompt_token)
-    assert policy.prompt_token_cost[(16, 1)] == pytest.approx(0.0004, rel=0.05)
-    assert policy.prompt_token_cost[(16, 3)] == pytest.approx(0.0005, rel=0.05)
-    assert arms[-300:].count(1.0) > 250
+    assert policy.step_cost(16, 3) == pytest.approx(0.015) and policy.step_cost(16, 1) == pytest.approx(0.010)
+    assert policy.prompt_token_cost[16] == pytest.approx(0.00045, rel=0.05)
+    assert arms[-300:].count(NARROW) > 250
 
 
 def test_the_load_is_rescored_once_per_turn_not_at_each_change_of_batch():

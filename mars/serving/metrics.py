@@ -5,8 +5,8 @@ What an operator (and the HorizontalPodAutoscaler, through the Prometheus adapte
 (the policy's current tau), ``mars_lossless_in_use`` (1 while the adaptive policy decodes greedy rows in
 the lossless mode), ``mars_step_cost_seconds{batch, window}`` (the measured decoding-step cost the
 adaptive policy decides on; window: the widest row's slots, 1, w at a tau < 1, 2w-1 in the lossless
-mode at block size w), ``mars_prompt_token_cost_seconds{batch, window}`` (what a joining prompt's token
-costs beside such a batch, beyond the step it joined: the policy charges it to each generated token),
+mode at block size w), ``mars_prompt_token_cost_seconds{batch}`` (what a joining prompt's token
+costs beside a batch of that size, beyond the step it joined: the policy charges it to each generated token),
 ``mars_tokens_per_forward{tau}`` (tau="lossless" for the lossless mode,
 "lossless:w" for it at a block size w below the checkpoint's), ``mars_policy_steps_total{arm}``
 (steps by the arm the policy chose: where the adaptive policy spends its time),
@@ -37,8 +37,7 @@ class ServerMetrics:
         self.step_cost = Gauge("mars_step_cost_seconds", "measured seconds per decoding step (moving average)",
                                ["batch", "window"], registry=registry)
         self.prompt_token_cost = Gauge("mars_prompt_token_cost_seconds", "measured seconds per joining prompt token "
-                                       "beyond its step, by the batch's size and window (moving median)",
-                                       ["batch", "window"],
+                                       "beyond its step, by the batch's size (moving median)", ["batch"],
                                        registry=registry)
         self.tokens_per_forward = Gauge("mars_tokens_per_forward", "measured tokens per row and forward at a tau",
                                         ["tau"], registry=registry)
@@ -96,8 +95,8 @@ class ServerMetrics:
                     self.tokens_per_forward.labels(arm_label(tau)).set(value)
             for (rows, slots), seconds in list(getattr(policy, "cost", {}).items()):  # the medians it decides on
                 self.step_cost.labels(str(rows), str(slots)).set(seconds)
-            for (rows, slots), seconds in list(getattr(policy, "prompt_token_cost", {}).items()):
-                self.prompt_token_cost.labels(str(rows), str(slots)).set(seconds)
+            for rows, seconds in list(getattr(policy, "prompt_token_cost", {}).items()):
+                self.prompt_token_cost.labels(str(rows)).set(seconds)
         return generate_latest(self.registry)
 
 

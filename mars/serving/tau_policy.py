@@ -18,12 +18,11 @@ tau as the queue grows" alone can lose throughput at peak. The adaptive policy i
   cost and accepts fewer tokens (:meth:`TauRange.candidates`). Rows that named their tau keep it; they
   count in the prediction as they are.
 * a step that takes new requests forwards their prompts beside the batch's windows. Its cost beyond the
-  decoding step it joined is measured per prompt token, batch size and window, and the prediction charges
-  each generated token its share of it (the traffic's prompt tokens per generated token, measured too:
-  :meth:`AdaptiveTau.prompt_cost`). A prompt costs more beside more rows and wider windows, and at high
-  load that decides: on SmolLM2 in bf16 on a 2-core CPU at 16 streams about half the steps take a prompt (62
-  tokens after the prefix cache, ~25 generated a request), and counting the decoding steps alone the
-  policy ran lossless at block size 2 for 98% of its steps, where tau = 1 fixed was 18% faster than it.
+  decoding step it joined is measured per prompt token and batch size, and the prediction charges each
+  generated token its share of it (the traffic's prompt tokens per generated token, measured too:
+  :meth:`AdaptiveTau.prompt_cost`). At high load that is much of a step's cost: on SmolLM2 in bf16 on a
+  2-core CPU at 16 streams about half the steps take a prompt (62 tokens after the prefix cache, ~25
+  generated a request), and a 16-row step that took one cost ~40 ms more than a decoding step.
 * tokens/forward is estimated on the latest requests and compared on the same ones. The policy rows' last
   ``tpf_samples`` row-steps, and at least ``tpf_steps`` steps (at whatever arm they ran), give the level; an
   arm's estimate is that level with each step's tokens scaled by a paired ratio between the arm it ran at
@@ -87,7 +86,9 @@ an exploration's worth of such steps a window is priced by its whole steps (:met
 A step cost measured only a few times at this batch size is read off a cost model fitted over every
 measured cell (a fixed part, a part per row, a part per token forwarded and a part per row of a window wider than
 one slot: :meth:`AdaptiveTau.step_cost`):
-under a changing load most batch sizes are visited for a step or two.
+under a changing load most batch sizes are visited for a step or two. A window the policy is not settled in
+is priced against the settled one side by side, as tokens/forward is: each exploration's decoding steps
+against the settled arm's around it, a ratio pooled over explorations (:meth:`AdaptiveTau._cost_ratio`).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ import math
 import operator
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
 
 import numpy as np
@@ -139,6 +140,9 @@ class _Bracket:
     during: list[int]  # tokens, rows at `arm`
     base: list[int]  # tokens, rows at `settled`: the steps just before, then the steps just after
     after_left: int  # settled steps still to take after the exploration
+    # the decoding steps' seconds, by (batch, slots), at `arm` and at `settled` (see AdaptiveTau._cost_ratio)
+    during_cost: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    base_cost: dict[tuple[int, int], list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -184,8 +188,8 @@ class AdaptiveTau:
     clock = staticmethod(time.perf_counter)  # what the policy's own work is timed with (see _Pace)
 
     def __init__(self, taus: TauRange, *, tpf_samples: int = 128, tpf_steps: int = 32, pair_samples: int = 1024,
-                 pair_trust: int = 48, cost_samples: int = 15, cell_samples: int = 5, explore_steps: int = 3,
-                 explore_rows: int = 12, explore_every: int = 150, explore_within: float = 0.2,
+                 pair_trust: int = 48, cost_samples: int = 15, cell_samples: int = 5, cost_pair_steps: int = 256,
+                 explore_steps: int = 3, explore_rows: int = 12, explore_every: int = 150, explore_within: float = 0.2,
                  explore_far_every: int = 600,
                  rescore_every: int = 16, load_steps: int = 32, refit_every: int = 64, switch_margin: float = 0.05,
                  enter_margin: float = 0.01, pair_gap: int = 4,
@@ -202,6 +206,9 @@ class AdaptiveTau:
         # 1.61 for block size 2), and each jump moved the policy
         self.tpf_samples, self.tpf_steps = tpf_samples, tpf_steps
         self.cost_samples, self.cell_samples = cost_samples, cell_samples
+        # a window's step cost against the settled one's, side by side (see _cost_ratio): like a tokens/forward
+        # ratio, a property of the model and the machine, so a long memory
+        self.cost_pair_steps = cost_pair_steps
         # a paired ratio is a property of the model and the traffic, not of the load: a long memory
         self.pair_samples = pair_samples
         # the settled arm moves to another arm but tau = 1 (whose yield is known) only once their explorations
@@ -249,11 +256,10 @@ class AdaptiveTau:
         self.cost: dict[tuple[int, int], float] = {}  # (batch, slots) -> seconds per step (median of recent)
         self._recent: dict[tuple[int, int], deque] = {}
         self._whole: dict[tuple[int, int], deque] = {}  # the same, of steps that took prompts (see _whole_step_cost)
-        # (batch, slots) -> seconds per joining prompt token beyond the step it joined (median of recent), and
-        # the traffic's prompt tokens per generated token over the last `flow_steps` steps (see prompt_cost)
-        self.prompt_token_cost: dict[tuple[int, int], float] = {}
-        self._priced_windows: dict[int, list[int]] = {}  # batch -> the windows priced there (prompt_cost reads it)
-        self._prompt_recent: dict[tuple[int, int], deque] = {}
+        # batch -> seconds per joining prompt token beyond the step it joined (median of recent), and the
+        # traffic's prompt tokens per generated token over the last `flow_steps` steps (see prompt_cost)
+        self.prompt_token_cost: dict[int, float] = {}
+        self._prompt_recent: dict[int, deque] = {}
         self.flow_steps = flow_steps
         self._flow = SlidingSums(2, steps=flow_steps)  # (prompt tokens, generated) a step
         # the step costs' and the prompt prices' models (see _cost_model, _price_model), each refitted after
@@ -265,8 +271,13 @@ class AdaptiveTau:
         # paired ratios (see the module docstring): (arm a, arm b) -> (a tokens, a rows, b tokens, b rows) per
         # exploration of one beside the other
         self._pairs: dict[tuple[Arm, Arm], SlidingSums] = {}
-        # the settled arm's last steps, (arm, tokens, rows): an exploration's steps before
-        self._settled_steps: deque[tuple[Arm, int, int]] = deque(maxlen=max(explore_steps, explore_rows))
+        # paired step costs (see _cost_ratio): (batch, narrower slots, wider slots) -> (narrower seconds, steps,
+        # wider seconds, steps), each exploration's median over its steps
+        self._cost_pairs: dict[tuple[int, int, int], SlidingSums] = {}
+        # the settled arm's last steps, (arm, (tokens, rows) or None, (batch, slots, seconds) of a decoding step
+        # or None): an exploration's steps before
+        self._settled_steps: deque[tuple[Arm, tuple[int, int] | None, tuple[int, int, float] | None]] = \
+            deque(maxlen=max(explore_steps, explore_rows))
         self._bracket: _Bracket | None = None
         # the policy rows' last row-steps at any arm but tau = 1: (tokens, rows), by arm
         self._level = self._new_tpf_window()
@@ -318,12 +329,10 @@ class AdaptiveTau:
         self._flow.add((prompt_tokens, sum(tokens for tokens, _ in accepted.values())))
         if prompt_tokens:  # what the prompts cost beyond the decoding step they joined (see prompt_cost)
             if slots in self._cost_model()[1]:
-                recent = _cell(self._prompt_recent, (batch, slots), self._new_samples)
+                recent = _cell(self._prompt_recent, batch, self._new_samples)
                 recent.append(max(seconds - self.step_cost(batch, slots), 0.0) / prompt_tokens)
-                new = (batch, slots) not in self.prompt_token_cost
-                if new:
-                    self._priced_windows[batch] = sorted({*self._priced_windows.get(batch, ()), slots})
-                self.prompt_token_cost[(batch, slots)] = _median(recent)
+                new = batch not in self.prompt_token_cost
+                self.prompt_token_cost[batch] = _median(recent)
                 self._prices.sample(new)
             else:  # a window not measured decoding alone yet: the whole step (see _whole_step_cost)
                 _cell(self._whole, (batch, slots), self._new_samples).append(seconds)
@@ -347,7 +356,7 @@ class AdaptiveTau:
                 window = _cell(self._accepted, row_arm, self._new_tpf_window)
                 window.add((tokens, rows))
                 self.tpf[row_arm] = window.total[0] / window.total[1]
-        self._pair(accepted.get(arm), phase, arm)
+        self._pair(accepted.get(arm), None if prompt_tokens else (batch, slots, seconds), phase, arm)
 
     # what a cell, arm or pair starts with (see _cell)
     def _new_samples(self) -> deque:  # a cell's last `cost_samples` seconds
@@ -359,48 +368,47 @@ class AdaptiveTau:
     def _new_pair_pool(self) -> SlidingSums:  # a pair's (a tokens, a rows, b tokens, b rows) per exploration
         return SlidingSums(4, at_least={1: self.pair_samples, 3: self.pair_samples})
 
-    def prompt_cost(self, batch: int, slots: int) -> float:
-        """Seconds of joining prompts per generated token while ``batch`` rows decode ``slots``-wide windows:
-        the prompt tokens the traffic brings per generated token (the last ``flow_steps`` steps) times what
-        one costs beyond the step it joins (the median over that cell's last join steps). Each request's
-        prompt is forwarded once whatever the arm, but not at the same price: beside more rows and wider
-        windows it costs more. Batch size matters most: in-process on SmolLM2 in bf16 on a 2-core CPU a step
-        that took prompts cost ~14 ms more than a decoding step at one row and ~33-45 ms more at 16, in the
-        same windows; at 16 rows ~0.44 ms a prompt token beside 1-slot windows and ~0.55 ms beside the
-        3-slot windows of lossless at block size 2. A cell not seen joining yet reads the nearest measured
-        batch size, at its nearest window. Priced by window alone, the lossless mode's prompts, measured
-        mostly at one stream (0.32 ms a token), were charged that at 16 rows, where they cost ~1 ms, and
-        the policy ran the mode through bursty traces' 16-stream phases, where it was 22% slower than
-        tau = 1 fixed. The price is read off a model fitted over every priced cell (:meth:`_price_model`), not
-        the cell's own median: over HTTP a cell's median moved by 4x from one batch size to the next (SmolLM2 at
-        16 streams, lossless at B settled: 2.6 ms a token beside 16 rows' 3-slot windows, 1.3 and 0.59 beside
-        14 and 15 rows'; 1.57 beside 16 rows' 7-slot ones, 0.53 and 0.37 beside 14 and 15 rows'), and read
-        cell by cell the prices kept the policy at B through the level, 11% slower there than block size 2."""
+    def _new_cost_pool(self) -> SlidingSums:  # (narrow seconds, steps, wide seconds, steps) per exploration
+        return SlidingSums(4, at_least={1: self.cost_pair_steps, 3: self.cost_pair_steps})
+
+    def prompt_cost(self, batch: int) -> float:
+        """Seconds of joining prompts per generated token while ``batch`` rows decode: the prompt tokens the
+        traffic brings per generated token (the last ``flow_steps`` steps) times what one costs beyond the step
+        it joins at that batch size (:meth:`_price_model`). Each request's prompt is forwarded once whatever
+        the arm, beside more rows at a higher price: in-process on SmolLM2 in bf16 on a 2-core CPU ~0.32 ms a
+        token at one row, ~0.6 ms at 4 and 16. Not by window: the backend packs a prompt beside the rows'
+        windows, and decoded alternately every 6 steps a prompt token cost as much or less beside wider ones
+        (SmolLM2 at 16 rows: 0.64, 0.59 and 0.61 ms beside 1-, 3- and 7-slot windows, 0.65, 0.54 and 0.50 in
+        a second run; at 4 rows 0.63, 0.59 and 0.58; the default profile's toy at 4 rows: 24, 21 and 20 us
+        beside 1-, 4- and 7-slot ones). Priced by window, a window the policy was not settled in was priced on
+        its explorations' few join steps: on the toy at 4 rows the lossless mode's prompts read 39-68 us a token
+        and tau = 0.9's 27-40, and the policy predicted tau = 0.9 8-20% ahead of lossless, which was as fast
+        fixed; and a price model that may not fall as the window widens could only charge wide windows more."""
         self.flush()
         prompt, generated = self._flow.total
         if not prompt or not generated or not self.prompt_token_cost:
             return 0.0
         shape = self._price_model()
-        if shape is None:  # too few cells for a shape: the nearest priced cell
-            near = _nearest(self._priced_windows, batch)
-            return prompt / generated * self.prompt_token_cost[(near, _nearest(self._priced_windows[near], slots))]
-        return prompt / generated * _shape_at(shape, batch, slots)
+        if shape is None:  # too few batch sizes for a line: the nearest priced one
+            return prompt / generated * self.prompt_token_cost[_nearest(self.prompt_token_cost, batch)]
+        return prompt / generated * _shape_at(shape, batch, 1)
 
     def _price_model(self) -> tuple[float, float, float, float] | None:
-        """``(a, c, d, e)`` >= 0: a joining prompt token costs a + c x batch + d x batch x slots + e x batch x
-        [slots > 1] seconds, the step costs' form (:meth:`_cost_model`) fitted the same way over the priced cells'
-        medians (weighted by their join steps, over the cells with ``cell_samples`` of them where they determine
-        it). Where the cells say a prompt costs less beside wider windows (noise: see :meth:`prompt_cost`), the
-        non-negative shape drops the window terms and prices every window of a batch size alike."""
+        """``(a, c, 0, 0)`` >= 0: a joining prompt token costs a + c x batch seconds, fitted over the batch
+        sizes' medians (weighted by their join steps, over those with ``cell_samples`` of them where they
+        determine it). Not each batch size's own median: over HTTP a cell's median moved by 4x from one batch
+        size to the next (SmolLM2 at 16 streams: 2.6 ms a token beside 16 rows, 1.3 and 0.59 beside 14 and 15)."""
         return self._prices.get()
 
     def _fit_prices(self) -> tuple[float, float, float, float] | None:
-        return self._fit([(b, w, price, len(self._prompt_recent[(b, w)]))
-                          for (b, w), price in self.prompt_token_cost.items()])
+        return self._fit([(b, 1, price, len(self._prompt_recent[b])) for b, price in self.prompt_token_cost.items()],
+                         _LINE)
 
-    def _pair(self, step: tuple[int, int] | None, phase: str | None, arm: Arm) -> None:
-        """File the step the policy rows took at ``arm`` (``(tokens, rows)``; None: none counted, a step
-        without drafts) in ``phase`` into the open bracket, or as one of the settled arm's last steps."""
+    def _pair(self, step: tuple[int, int] | None, cost: tuple[int, int, float] | None, phase: str | None,
+              arm: Arm) -> None:
+        """File the step the policy rows took at ``arm`` (``(tokens, rows)``; None: none counted, a move's
+        first step) in ``phase`` into the open bracket, or as one of the settled arm's last steps; ``cost``:
+        ``(batch, slots, seconds)`` of a decoding step (None: it took prompts)."""
         if phase is None:  # no policy rows this step
             return
         step = step if step and step[1] else None
@@ -408,30 +416,39 @@ class AdaptiveTau:
             self._level.add(step, key=arm)
         bracket = self._bracket
         if phase == "explore":
-            if bracket is not None and bracket.arm == arm and step:
-                bracket.during[0] += step[0]
-                bracket.during[1] += step[1]
+            if bracket is not None and bracket.arm == arm:
+                _add_step(bracket.during, bracket.during_cost, step, cost)
             return
-        if step:
-            self._settled_steps.append((arm, *step))
+        if step or cost:
+            self._settled_steps.append((arm, step, cost))
         if bracket is None:
             return
         if arm != bracket.settled:  # the policy moved on: the bracket has what it has
             self._close_bracket()
-        elif step:
-            bracket.base[0] += step[0]
-            bracket.base[1] += step[1]
+            return
+        _add_step(bracket.base, bracket.base_cost, step, cost)
+        if step:
             bracket.after_left -= 1
             if bracket.after_left <= 0:
                 self._close_bracket()
 
     def _close_bracket(self) -> None:
         bracket, self._bracket = self._bracket, None
-        if bracket is None or not bracket.during[1] or not bracket.base[1]:
+        if bracket is None:
             return
-        key = _pair_key(bracket.arm, bracket.settled)
-        record = (*bracket.during, *bracket.base) if key[0] == bracket.arm else (*bracket.base, *bracket.during)
-        _cell(self._pairs, key, self._new_pair_pool).add(record)
+        if bracket.during[1] and bracket.base[1] and bracket.arm != 1.0:  # tau = 1's yield is known
+            key = _pair_key(bracket.arm, bracket.settled)
+            record = (*bracket.during, *bracket.base) if key[0] == bracket.arm else (*bracket.base, *bracket.during)
+            _cell(self._pairs, key, self._new_pair_pool).add(record)
+        for (batch, slots), seconds in bracket.during_cost.items():
+            for (base_batch, base_slots), base_seconds in bracket.base_cost.items():
+                if base_batch != batch or base_slots == slots:
+                    continue
+                pair = (_median(seconds) * len(seconds), len(seconds), _median(base_seconds) * len(base_seconds),
+                        len(base_seconds))
+                record = pair if slots < base_slots else (*pair[2:], *pair[:2])
+                _cell(self._cost_pairs, (batch, min(slots, base_slots), max(slots, base_slots)),
+                      self._new_cost_pool).add(record)
 
     def tokens_per_forward(self, arm: Arm) -> float | None:
         """The estimate decisions use: tau = 1 yields exactly 1; another arm, the policy rows' last
@@ -466,6 +483,26 @@ class AdaptiveTau:
         """Whether the explorations pairing ``arm`` with ``base`` hold ``pair_trust`` row-steps of each."""
         pool = self._pairs.get(_pair_key(arm, base))
         return self.pair_trust <= 0 or (pool is not None and min(pool.total[1], pool.total[3]) >= self.pair_trust)
+
+    def _cost_ratio(self, batch: int, slots: int, reference: int) -> float | None:
+        """A decoding step's seconds at ``batch`` rows and ``slots``-wide windows over those at ``reference``-wide
+        ones, measured side by side: each exploration's steps against the settled arm's just before and just
+        after it, on the same rows (the median of each side, pooled over the last ``cost_pair_steps`` steps of
+        each); None until both sides hold ``cell_samples``. Why paired: a window the policy is not settled in is
+        measured only while explored, and its cell's median is of that time; set against the settled window's
+        cell, fresh at every step, it compared the CPU then with the CPU now (on the default profile's toy at
+        one row, over three rounds the 4-slot cell read 1.39-1.82 ms and the 7-slot one 1.34-1.56, in another
+        run 1.60 and 1.88, where decoded alternately every 12 steps both cost 1.79 ms)."""
+        if slots == reference:
+            return 1.0
+        pool = self._cost_pairs.get((batch, min(slots, reference), max(slots, reference)))
+        if pool is None:
+            return None
+        narrow_seconds, narrow_steps, wide_seconds, wide_steps = pool.total
+        if min(narrow_steps, wide_steps) < self.cell_samples:
+            return None
+        ratio = (wide_seconds / wide_steps) / (narrow_seconds / narrow_steps)
+        return ratio if slots > reference else 1.0 / ratio
 
     def step_cost(self, batch: int, slots: int, modelled: bool = False) -> float | None:
         """The cell's median once it holds ``cell_samples`` samples (unless ``modelled``); else the cost model
@@ -531,40 +568,37 @@ class AdaptiveTau:
 
     def _fit_costs(self) -> tuple[tuple[float, float, float, float] | None, set[int]]:
         cells = [(b, w, self.cost[(b, w)], len(self._recent[(b, w)])) for b, w in self.cost]
-        return self._fit(cells), {w for _, w, _, _ in cells}
+        return self._fit(cells, _STEP), {w for _, w, _, _ in cells}
 
-    def _fit(self, cells: list[tuple[int, int, float, int]]) -> tuple[float, float, float, float] | None:
-        """:func:`_shape` over the cells holding ``cell_samples`` samples where they determine it; the thin ones
-        (a passing load's one sample) only where needed."""
-        return _shape([cell for cell in cells if cell[3] >= self.cell_samples]) or _shape(cells)
+    def _fit(self, cells: list[tuple[int, int, float, int]], terms: tuple[tuple[int, ...], ...]
+             ) -> tuple[float, float, float, float] | None:
+        """:func:`_shape` (of ``terms``) over the cells holding ``cell_samples`` samples where they determine it;
+        the thin ones (a passing load's one sample) only where needed."""
+        return _shape([cell for cell in cells if cell[3] >= self.cell_samples], terms) or _shape(cells, terms)
 
     # -- decision ----------------------------------------------------------------------------------
     def predict(self, arm: Arm, fixed_taus: Sequence[float], policy_rows: int, block_size: int | None,
-                lossless_rows: int = 0, modelled: bool = False) -> float | None:
+                lossless_rows: int = 0) -> float | None:
         """Predicted generated tokens/s of the batch if its policy rows decode at ``arm``: its tokens per
         step over the step's cost and the joining prompts' share per token (:meth:`prompt_cost`)
-        (``lossless_rows``: rows that asked for the lossless mode themselves; ``modelled``: see
-        :meth:`step_cost`)."""
+        (``lossless_rows``: rows that asked for the lossless mode themselves), as :meth:`_scores` reads it."""
         self.flush()
-        fixed_taus = tuple(fixed_taus)
-        slots = max(_own_window(arm, block_size), _named_window(fixed_taus, block_size, lossless_rows))
-        step = self._predicted(self.tokens_per_forward(arm), slots, policy_rows + len(fixed_taus) + lossless_rows,
-                               policy_rows, self._named_tokens(fixed_taus, lossless_rows), modelled)
-        return None if step is None else step[0] / step[1]
+        return self._scores([arm], block_size, {(policy_rows, tuple(fixed_taus), lossless_rows): 1})[arm]
 
     def _predicted(self, tpf: float | None, slots: int, batch: int, policy_rows: int, named_tokens: float,
-                   modelled: bool) -> tuple[float, float] | None:
+                   modelled: bool, cost: float | None = None) -> tuple[float, float] | None:
         """(generated tokens, seconds) of one step of ``batch`` rows whose widest reads ``slots`` slots, its
         policy rows yielding ``tpf`` tokens each and the others ``named_tokens`` in all, the joining prompts'
-        share included; None while something in it is unmeasured."""
+        share included; None while something in it is unmeasured. ``cost``: the step's seconds where they are
+        known already (see :meth:`_scores`), else :meth:`step_cost`'s."""
         if tpf is None:
             return None
-        cost = self.step_cost(batch, slots, modelled)
+        cost = cost or self.step_cost(batch, slots, modelled)
         if not cost:
             return None
         generated = policy_rows * tpf + named_tokens
         # a window priced by whole steps holds its prompts already (see _whole_step_cost)
-        charge = self.prompt_cost(batch, slots) if slots in self._cost_model()[1] else 0.0
+        charge = self.prompt_cost(batch) if slots in self._cost_model()[1] else 0.0
         return generated, cost + generated * charge
 
     def _named_tokens(self, fixed_taus: tuple[float, ...], lossless_rows: int) -> float:
@@ -582,24 +616,30 @@ class AdaptiveTau:
         batch, the policy on the default profile's toy (in-process, a bursty trace) moved between tau = 0.9
         and the lossless mode every one to three steps at 12-16 rows, ~50 moves in 1400 steps, and each move
         into the lossless mode costs every row a step without drafts.
-        Within a batch every arm is read at the same kind of step cost: the cells' medians where every
-        window compared is well measured at its batch size, else the cost model for every window. On a busy
-        CPU a cell's median wandered by ~5% around the per-window line the policy used before; set against
-        another window's line it flipped the choice as the batch size moved by a row or two (on the default
-        profile's toy, 13 rows favoured tau = 0.9 and 15 the lossless mode)."""
+        Within a batch every arm is read at the same kind of step cost: a window paired with the settled
+        arm's at that batch size is its step cost times their paired ratio (:meth:`_cost_ratio`); the others,
+        the cells' medians where every such window is well measured at its batch size, else the cost model for
+        each. On a busy CPU a cell's median wandered by ~5% around the per-window line the policy used before;
+        set against another window's line it flipped the choice as the batch size moved by a row or two (on
+        the default profile's toy, 13 rows favoured tau = 0.9 and 15 the lossless mode)."""
         tpf = {a: self.tokens_per_forward(a) for a in arms}
         own = {a: _own_window(a, block_size) for a in arms}
+        settled = _own_window(self._settled, block_size)
         tokens: dict[Arm, float | None] = dict.fromkeys(arms, 0.0)
         seconds = dict.fromkeys(arms, 0.0)
         for (policy_rows, fixed_taus, lossless_rows), count in (Counter(self._load) if load is None else load).items():
             batch = policy_rows + len(fixed_taus) + lossless_rows
             named = _named_window(fixed_taus, block_size, lossless_rows)
             slots = {a: max(own[a], named) for a in arms}
-            modelled = not all(self._well_measured(batch, w) for w in slots.values())
+            reference = max(settled, named)
+            ratios = {a: self._cost_ratio(batch, w, reference) for a, w in slots.items()}
+            modelled = not all(self._well_measured(batch, w) for a, w in slots.items() if ratios[a] is None)
+            base = self.step_cost(batch, reference, modelled) if any(r is not None for r in ratios.values()) else None
             named_tokens = self._named_tokens(fixed_taus, lossless_rows)
             for a in arms:
+                cost = base * ratios[a] if base and ratios[a] is not None else None
                 step = tokens[a] is not None and self._predicted(tpf[a], slots[a], batch, policy_rows, named_tokens,
-                                                                 modelled)
+                                                                 modelled, cost)
                 if not step:
                     tokens[a] = None
                     continue
@@ -704,12 +744,11 @@ class AdaptiveTau:
             self._explored_at = self.decisions
         self._extended = 0
         self._close_bracket()
-        if self._paired(arm):  # the settled arm's last `length` steps, then as many after
-            before = [0, 0]
-            for settled, tokens, step_rows in list(self._settled_steps)[-length:]:
+        if arm != self._settled:  # the settled arm's last `length` steps, then as many after
+            bracket = self._bracket = _Bracket(arm, self._settled, [0, 0], [0, 0], length)
+            for settled, step, cost in list(self._settled_steps)[-length:]:
                 if settled == self._settled:
-                    before[0], before[1] = before[0] + tokens, before[1] + step_rows
-            self._bracket = _Bracket(arm, self._settled, [0, 0], before, length)
+                    _add_step(bracket.base, bracket.base_cost, step, cost)
         return self._use(arm, explore=True)
 
     def _paired(self, arm: Arm) -> bool:
@@ -816,6 +855,16 @@ def _named_window(fixed_taus: Sequence[float], block_size: int, lossless_rows: i
     return 2 * block_size - 1 if lossless_rows else block_size if any(t < 1.0 for t in fixed_taus) else 1
 
 
+def _add_step(tokens: list[int], costs: dict[tuple[int, int], list[float]], step: tuple[int, int] | None,
+              cost: tuple[int, int, float] | None) -> None:
+    """Add a step to one side of a bracket: its ``(tokens, rows)`` and, a decoding step, its seconds."""
+    if step:
+        tokens[0] += step[0]
+        tokens[1] += step[1]
+    if cost:
+        costs.setdefault(cost[:2], []).append(cost[2])
+
+
 def _cell(cells: dict, key, make: Callable[[], object]):
     """``cells[key]``, made by ``make()`` the first time (setdefault would build one on every call, on the
     engine's stepping thread)."""
@@ -830,21 +879,27 @@ def _nearest(values, target: int) -> int:
     return min(values, key=lambda v: (abs(v - target), v))
 
 
-def _median(values: deque) -> float:
+def _median(values: Sequence[float]) -> float:
     ordered, mid = sorted(values), len(values) // 2  # statistics.median is ~3x slower, on a ~1 ms step
     return ordered[mid] if len(values) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _shape(cells: list[tuple[int, int, float, int]]) -> tuple[float, float, float, float] | None:
-    """(a, c, d, e) >= 0 of seconds = a + c x batch + d x batch x slots + e x batch x [slots > 1], else without
-    the terms that fit below 0 (or that the cells do not determine: e needs two windows wider than one slot).
-    Weighted least squares, each cell counting as often as it was sampled. The arrays are built once for every
-    set of terms tried: on the default profile's toy, building them took most of a fit's time, and a fit
-    comes every few dozen steps."""
+# the sets of terms a shape tries, in turn (see _shape): a step's cost, and a prompt token's price (a line in batch)
+_STEP = ((0, 1, 2, 3), (0, 2, 3), (0, 1, 2), (0, 2), (0, 1))
+_LINE = ((0, 1), (0,))
+
+
+def _shape(cells: list[tuple[int, int, float, int]], terms: tuple[tuple[int, ...], ...] = _STEP
+           ) -> tuple[float, float, float, float] | None:
+    """(a, c, d, e) >= 0 of seconds = a + c x batch + d x batch x slots + e x batch x [slots > 1], of the first
+    set of ``terms`` that fits none below 0 (and that the cells determine: e needs two windows wider than one
+    slot); the terms left out are 0. Weighted least squares, each cell counting as often as it was sampled. The
+    arrays are built once for every set of terms tried: on the default profile's toy, building them took most
+    of a fit's time, and a fit comes every few dozen steps."""
     root = np.sqrt(np.array([n for _, _, _, n in cells], dtype=float))
     x = np.array([(1.0, b, b * w, b * (w > 1)) for b, w, _, _ in cells], dtype=float).reshape(-1, 4) * root[:, None]
     y = np.array([s for _, _, s, _ in cells], dtype=float) * root
-    for features in ((0, 1, 2, 3), (0, 2, 3), (0, 1, 2), (0, 2), (0, 1)):
+    for features in terms:
         fit = _least_squares(x, y, features)
         if fit is not None and min(fit) >= 0.0:
             return fit
