@@ -279,6 +279,27 @@ def test_the_paired_ratio_is_one_number_whichever_arm_was_explored():
     assert ratio == pytest.approx(1.25, abs=0.02)
 
 
+def test_between_lossless_widths_the_pairs_leave_out_the_steps_that_took_prompts():
+    """A joining row yields one token in the lossless mode at any width, so a step that took a prompt says
+    nothing about one width against another, and how many of them a bracket holds is chance. Here block size 2
+    yields 1.5 tokens a row and B 2 at every decoding step, and a prompt joins every fifth step (a step of one
+    token a row, at tau = 0.9 two): the pairs read B's ratio to block size 2 off the decoding steps alone,
+    exactly 4/3. Between a tau and the lossless mode a join step's yield differs, and it counts."""
+    policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, explore_every=5)
+    decoding, joining = {LOSSLESS: 4, NARROW: 3, 0.9: 3, 1.0: 2}, {LOSSLESS: 2, NARROW: 2, 0.9: 4, 1.0: 2}
+    before = None
+    for step in range(3000):
+        arm = policy.choose([], 2, B)
+        prompt = 20 if step % 5 == 0 else 0
+        tokens = (joining if prompt else decoding)[arm]
+        policy.observe(2, slots(arm), 0.010, {} if before not in (None, arm) else {arm: (tokens, 2)}, prompt)
+        before = arm
+    assert min(policy._pairs[(LOSSLESS, NARROW)].total[1::2]) >= 24
+    assert policy._ratio(LOSSLESS, NARROW) == pytest.approx(4 / 3)
+    # tau = 0.9's join steps yield more than the lossless mode's, and count: below the decoding steps' 4/3
+    assert policy._ratio(LOSSLESS, 0.9) < 0.97 * 4 / 3
+
+
 def test_an_exploration_lasts_long_enough_to_pair_a_lone_rows_tokens():
     """A paired exploration runs ``explore_rows`` row-steps (12 steps of one row, 3 of 4 rows or more), plus
     the move's first step, which the engine does not count; tau = 1, whose yield is known, only its few steps."""
