@@ -137,10 +137,11 @@ class _Bracket:
 
     arm: Arm
     settled: Arm
-    during: list[int]  # tokens, rows at `arm`
-    base: list[int]  # tokens, rows at `settled`: the steps just before, then the steps just after
     after_left: int  # settled steps still to take after the exploration
-    widths: bool = False  # both arms are lossless widths (see yields)
+    widths: bool  # both arms are lossless widths (see yields)
+    during: list[int] = field(default_factory=lambda: [0, 0])  # tokens, rows at `arm`
+    # tokens, rows at `settled`: the steps just before, then the steps just after
+    base: list[int] = field(default_factory=lambda: [0, 0])
     # the same of the steps that took no prompts
     during_decoding: list[int] = field(default_factory=lambda: [0, 0])
     base_decoding: list[int] = field(default_factory=lambda: [0, 0])
@@ -471,13 +472,11 @@ class AdaptiveTau:
             _cell(self._pairs, key, self._new_pair_pool).add(record)
         for (batch, slots), seconds in bracket.during_cost.items():
             for (base_batch, base_slots), base_seconds in bracket.base_cost.items():
-                if base_batch != batch or base_slots == slots:
-                    continue
-                pair = (_median(seconds) * len(seconds), len(seconds), _median(base_seconds) * len(base_seconds),
-                        len(base_seconds))
-                record = pair if slots < base_slots else (*pair[2:], *pair[:2])
-                _cell(self._cost_pairs, (batch, min(slots, base_slots), max(slots, base_slots)),
-                      self._new_cost_pool).add(record)
+                if base_batch == batch and base_slots != slots:  # each side's median, narrower window first
+                    narrow, wide = (seconds, base_seconds) if slots < base_slots else (base_seconds, seconds)
+                    _cell(self._cost_pairs, (batch, min(slots, base_slots), max(slots, base_slots)),
+                          self._new_cost_pool).add((_median(narrow) * len(narrow), len(narrow),
+                                                    _median(wide) * len(wide), len(wide)))
 
     def tokens_per_forward(self, arm: Arm) -> float | None:
         """The estimate decisions use: tau = 1 yields exactly 1; another arm, the policy rows' last
@@ -774,7 +773,7 @@ class AdaptiveTau:
         self._extended = 0
         self._close_bracket()
         if arm != self._settled:  # the settled arm's last `length` steps, then as many after
-            bracket = self._bracket = _Bracket(arm, self._settled, [0, 0], [0, 0], length,
+            bracket = self._bracket = _Bracket(arm, self._settled, length,
                                                is_lossless(arm) and is_lossless(self._settled))
             for settled, step, cost in list(self._settled_steps)[-length:]:
                 if settled == self._settled:
