@@ -224,7 +224,7 @@ class AdaptiveTau:
                  explore_steps: int = 3, explore_rows: int = 12, explore_every: int = 150, explore_within: float = 0.2,
                  explore_far_every: int = 600,
                  rescore_every: int = 16, load_steps: int = 32, refit_every: int = 64, switch_margin: float = 0.05,
-                 enter_margin: float = 0.01, pair_gap: int = 4, confidence: float = 3.0,
+                 enter_margin: float = 0.01, pair_gap: int = 4, pair_rounds: int = 16, confidence: float = 3.0,
                  flow_steps: int = 512, candidates: Sequence[float] | None = None, lossless: bool = False,
                  lossless_block_sizes: Sequence[int] = (2,), budget: float = 0.002):
         self.taus = taus
@@ -257,6 +257,12 @@ class AdaptiveTau:
         # out of the lossless mode into a tau < 1 (speed bought with score) only where the paired gain stands
         # above `switch_margin` by `confidence` standard errors of the pairs' ratio (see _convinced)
         self.confidence = confidence
+        # ... pairing a tau ahead of the lossless mode but not by that much sooner than the regular turn only up to
+        # `pair_rounds` explorations: where its gain is in the step costs, not in the pairs' ratio, more pairs do
+        # not settle it, and each costs the rows a step without drafts back in the lossless mode (on the default
+        # profile's toy in-process on a bursty trace, three rounds: 50 explorations of tau = 0.9 and 6.6% of the
+        # steps there uncapped, 37 and 4.0% capped)
+        self.pair_rounds = pair_rounds
         self._explored_at = -pair_gap * max(explore_steps, explore_rows)  # the decision the last exploration ended
         self._accepted: dict[Arm, SlidingSums] = {}  # arm -> (tokens, rows) of its own last row-steps
         self.explore_steps, self.explore_rows, self.explore_every = explore_steps, explore_rows, explore_every
@@ -361,7 +367,6 @@ class AdaptiveTau:
         """One observed step (see :meth:`observe`): ``phase`` and ``arm``, what the policy rows took it as."""
         mean = self._mean_step
         self._mean_step = seconds if mean is None else mean + (seconds - mean) / 64
-        self._flow.add((prompt_tokens, sum(tokens for tokens, _ in accepted.values())))
         if prompt_tokens:  # what the prompts cost beyond the decoding step they joined (see prompt_cost)
             if slots in self._cost_model()[1]:
                 recent = _cell(self._prompt_recent, batch, self._new_samples)
@@ -386,11 +391,14 @@ class AdaptiveTau:
             recent.append(seconds)
             self.cost[(batch, slots)] = _median(recent)
             self._costs.sample(new)
+        generated = 0
         for row_arm, (tokens, rows) in accepted.items():
+            generated += tokens
             if rows and row_arm != 1.0 and row_arm in self.candidates:  # a request's own tau is not a candidate
                 window = _cell(self._accepted, row_arm, self._new_tpf_window)
                 window.add((tokens, rows))
                 self.tpf[row_arm] = window.total[0] / window.total[1]
+        self._flow.add((prompt_tokens, generated))
         self._pair(accepted.get(arm), None if prompt_tokens else (batch, slots, seconds), phase, arm)
 
     # what a cell, arm or pair starts with (see _cell)
@@ -546,6 +554,11 @@ class AdaptiveTau:
         error = self._ratio_error(tau, lossless)
         return error is not None and scores[tau] >= scores[lossless] * (1 + margin) * math.exp(self.confidence * error)
 
+    def _explorations(self, arm: Arm, base: Arm) -> int:
+        """How many explorations pairing ``arm`` with ``base`` their pool holds."""
+        pool = self._pairs.get(_pair_key(arm, base))
+        return 0 if pool is None else pool.total[4]
+
     def _trusted(self, arm: Arm, base: Arm) -> bool:
         """Whether the explorations pairing ``arm`` with ``base`` hold ``pair_trust`` row-steps of each."""
         pool = self._pairs.get(_pair_key(arm, base))
@@ -653,19 +666,17 @@ class AdaptiveTau:
         return self._scores([arm], block_size, {(policy_rows, tuple(fixed_taus), lossless_rows): 1})[arm]
 
     def _predicted(self, tpf: float | None, slots: int, batch: int, policy_rows: int, named_tokens: float,
-                   modelled: bool, cost: float | None = None) -> tuple[float, float] | None:
+                   modelled: bool, cost: float | None, charge: float) -> tuple[float, float] | None:
         """(generated tokens, seconds) of one step of ``batch`` rows whose widest reads ``slots`` slots, its
-        policy rows yielding ``tpf`` tokens each and the others ``named_tokens`` in all, the joining prompts'
-        share included; None while something in it is unmeasured. ``cost``: the step's seconds where they are
-        known already (see :meth:`_scores`), else :meth:`step_cost`'s."""
+        policy rows yielding ``tpf`` tokens each and the others ``named_tokens`` in all, and ``charge`` seconds of
+        joining prompts a generated token; None while something in it is unmeasured. ``cost``: the step's seconds
+        where they are known already (see :meth:`_scores`), else :meth:`step_cost`'s."""
         if tpf is None:
             return None
         cost = cost or self.step_cost(batch, slots, modelled)
         if not cost:
             return None
         generated = policy_rows * tpf + named_tokens
-        # a window priced by whole steps holds its prompts already (see _whole_step_cost)
-        charge = self.prompt_cost(batch) if slots in self._cost_model()[1] else 0.0
         return generated, cost + generated * charge
 
     def _named_tokens(self, fixed_taus: tuple[float, ...], lossless_rows: int) -> float:
@@ -703,10 +714,13 @@ class AdaptiveTau:
             modelled = not all(self._well_measured(batch, w) for a, w in slots.items() if ratios[a] is None)
             base = self.step_cost(batch, reference, modelled) if any(r is not None for r in ratios.values()) else None
             named_tokens = self._named_tokens(fixed_taus, lossless_rows)
+            # the joining prompts' share of a generated token, but in a window priced by whole steps, which hold
+            # their prompts already (see _whole_step_cost)
+            charge, priced = self.prompt_cost(batch), self._cost_model()[1]
             for a in arms:
                 cost = base * ratios[a] if base and ratios[a] is not None else None
                 step = tokens[a] is not None and self._predicted(tpf[a], slots[a], batch, policy_rows, named_tokens,
-                                                                 modelled, cost)
+                                                                 modelled, cost, charge if slots[a] in priced else 0.0)
                 if not step:
                     tokens[a] = None
                     continue
@@ -777,7 +791,8 @@ class AdaptiveTau:
             margin = 0.0 if best == settled else self.switch_margin
             if rival is not None and not self._convinced(best, rival, scores, margin):
                 ahead = scores[best] >= scores[rival] * (1 + self.switch_margin)
-                if ahead and rival == settled and pair_due:  # but on too little evidence: pair them sooner
+                if ahead and rival == settled and pair_due and self._explorations(best, rival) < self.pair_rounds:
+                    # but on too little evidence: pair them sooner, up to `pair_rounds` explorations
                     self._choice = None
                     return self._explore(best, policy_rows)
                 best, fallen_back = rival, True
