@@ -595,6 +595,34 @@ def test_an_arm_ahead_on_too_few_paired_row_steps_is_paired_sooner_than_the_regu
     assert exploring < 0.3
 
 
+def test_a_move_to_another_window_waits_for_its_price_beside_the_settled_one():
+    """A shared CPU (or, over HTTP, the event loop streaming tokens out) doubles every step's cost for 50 steps
+    in every 100. The lossless mode yields 1.5 tokens a row per 12 ms step, tau = 1 one per 10 ms: the lossless
+    mode is 25% faster at any time, but a 1-slot cell measured in a quiet spell against the settled 7-slot cell
+    in a busy one reads tau = 1 67% ahead. The policy moves to another window only once its step is priced
+    beside the settled one's (paired explorations); priced by its cells, it ran tau = 1 for 5% of its steps.
+    Where tau = 1 is the faster (a 20 ms lossless step), it moves there all the same."""
+    def at_one(cost: dict, paired_prices: bool = True) -> list:
+        policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=())
+        if not paired_prices:
+            policy._costs_paired = lambda *args: True
+        arms, before = [], None
+        for step in range(4000):
+            arm = policy.choose([], 4, B)
+            exploring, moved = policy._phase == "explore", before not in (None, arm)
+            tokens = 4 if arm == 1.0 else round({LOSSLESS: 1.5, 0.9: 1.1}[arm] * 4)
+            busy = 2.0 if step // 50 % 2 else 1.0
+            policy.observe(4, slots(arm), cost[slots(arm)] * busy, {} if moved else {arm: (tokens, 4)})
+            arms += [] if exploring else [arm]
+            before = arm
+        return arms
+
+    cheap_lossless = {1: 0.010, B: 0.011, 2 * B - 1: 0.012}
+    assert at_one(cheap_lossless).count(1.0) == 0
+    assert at_one(cheap_lossless, paired_prices=False).count(1.0) > 100
+    assert at_one({1: 0.010, B: 0.014, 2 * B - 1: 0.020})[-2000:] == [1.0] * 2000
+
+
 def test_a_sampling_row_never_gets_the_lossless_mode_however_the_policy_is_settled():
     """The lossless mode is greedy. Settled there, with tau = 0.9 ahead but not yet trusted, a batch whose
     policy rows sample gets a tau: the trust rule keeps the settled arm only where the batch can take it."""

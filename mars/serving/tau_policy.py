@@ -263,6 +263,7 @@ class AdaptiveTau:
         # profile's toy in-process on a bursty trace, three rounds: 50 explorations of tau = 0.9 and 6.6% of the
         # steps there uncapped, 37 and 4.0% capped)
         self.pair_rounds = pair_rounds
+        self._cost_tries: Counter = Counter()  # (arm, settled) -> explorations made to price arm's window beside
         self._explored_at = -pair_gap * max(explore_steps, explore_rows)  # the decision the last exploration ended
         self._accepted: dict[Arm, SlidingSums] = {}  # arm -> (tokens, rows) of its own last row-steps
         self.explore_steps, self.explore_rows, self.explore_every = explore_steps, explore_rows, explore_every
@@ -809,9 +810,35 @@ class AdaptiveTau:
                 self._choice = None
                 return self._explore(best, policy_rows)
             best = settled
+        if best != settled and settled in scores and not fallen_back and not self._costs_paired(best, settled, block_size):
+            # ahead on step costs read off cells of other times: price its window beside the settled one first
+            if pair_due and self._cost_tries[(best, settled)] < self.pair_rounds:
+                self._cost_tries[(best, settled)] += 1
+                self._choice = None
+                return self._explore(best, policy_rows)
+            best = settled
         self._choice = (turn, self.decisions)
         self._settled = best
         return self._use(best)
+
+    def _costs_paired(self, arm: Arm, settled: Arm, block_size: int) -> bool:
+        """Whether moving the policy rows from ``settled`` to ``arm`` keeps the step's window, or its window is priced
+        beside the settled one (:meth:`_cost_ratio`) at some batch of the load. Why: a window the policy is not
+        settled in is otherwise priced by cells of other times, and over HTTP a step's seconds carry the event
+        loop's work beside it (the tokens it streams out): on the default profile's toy at 16 streams the cells
+        read 1.5-6.5 ms where a step takes ~2.4 ms in-process, the policy predicted tau = 1 65% ahead of the
+        lossless mode, which fixed was 38% faster, and it ran tau = 1 for 17% of the level's steps. A window never
+        measured decoding alone is priced by whole steps (:meth:`_whole_step_cost`), which no pair prices: as it is."""
+        own, base = _own_window(arm, block_size), _own_window(settled, block_size)
+        decoded = self._cost_model()[1]
+        for policy_rows, fixed_taus, lossless_rows in set(self._load):
+            named = _named_window(fixed_taus, block_size, lossless_rows)
+            slots, reference = max(own, named), max(base, named)
+            batch = policy_rows + len(fixed_taus) + lossless_rows
+            if slots == reference or not {slots, reference} <= decoded or \
+                    self._cost_ratio(batch, slots, reference) is not None:
+                return True
+        return False
 
     def _allowed(self) -> float | None:
         """Seconds of the policy's work a step may carry (``budget`` of the mean step); None before a step."""
