@@ -91,7 +91,8 @@ measured cell (a fixed part, a part per row, a part per token forwarded and a pa
 one slot: :meth:`AdaptiveTau.step_cost`):
 under a changing load most batch sizes are visited for a step or two. A window the policy is not settled in
 is priced against the settled one side by side, as tokens/forward is: each exploration's decoding steps
-against the settled arm's around it, a ratio pooled over explorations (:meth:`AdaptiveTau._cost_ratio`).
+against the settled arm's around it, a ratio pooled over explorations (:meth:`AdaptiveTau._cost_ratio`), and
+the settled arm moves to another window only once it is priced so (:meth:`AdaptiveTau._costs_paired`).
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ class AdaptiveTau:
         # profile's toy in-process on a bursty trace, three rounds: 50 explorations of tau = 0.9 and 6.6% of the
         # steps there uncapped, 37 and 4.0% capped)
         self.pair_rounds = pair_rounds
-        self._cost_tries: Counter = Counter()  # (arm, settled) -> explorations made to price arm's window beside
+        self._cost_tries: Counter = Counter()  # (arm, settled) -> explorations made to price the arm's window
         self._explored_at = -pair_gap * max(explore_steps, explore_rows)  # the decision the last exploration ended
         self._accepted: dict[Arm, SlidingSums] = {}  # arm -> (tokens, rows) of its own last row-steps
         self.explore_steps, self.explore_rows, self.explore_every = explore_steps, explore_rows, explore_every
@@ -530,7 +531,7 @@ class AdaptiveTau:
 
     def _ratio_error(self, arm: Arm, base: Arm) -> float | None:
         """The standard error of the log of :meth:`_ratio`, read off the spread of its explorations' own ratios
-        (each a bracket's tokens/forward at one arm over the other's); None before two explorations."""
+        (each a bracket's tokens/forward at one arm over the other's); None before four explorations."""
         pool = self._pairs.get(_pair_key(arm, base))
         if pool is None or pool.total[4] < 4:  # a spread of two or three is itself noise
             return None
@@ -810,7 +811,8 @@ class AdaptiveTau:
                 self._choice = None
                 return self._explore(best, policy_rows)
             best = settled
-        if best != settled and settled in scores and not fallen_back and not self._costs_paired(best, settled, block_size):
+        if best != settled and settled in scores and not fallen_back and \
+                not self._costs_paired(best, settled, block_size):
             # ahead on step costs read off cells of other times: price its window beside the settled one first
             if pair_due and self._cost_tries[(best, settled)] < self.pair_rounds:
                 self._cost_tries[(best, settled)] += 1
