@@ -176,12 +176,14 @@ def test_at_many_rows_the_policy_finds_that_tau_one_is_fastest():
 
 
 def drive(policy: AdaptiveTau, steps: int, difficulty, gain: dict, cost: dict, rows: int | Callable = 10,
-          prompts: tuple[int, int] | None = None, prompt_cost: dict | None = None) -> list:
+          prompts: tuple[int, int] | None = None, prompt_cost: dict | None = None,
+          busy: Callable[[int], float] | None = None) -> list:
     """``steps`` engine steps at ``rows`` rows (or ``rows(step)``): a step at arm a yields difficulty(step) x
     gain[a] tokens a row (tau = 1: one), and costs cost[slots] (or cost[rows][slots] where ``cost`` is keyed by
     the batch size); a move yields no counted step (the engine leaves a row's first step at a new arm out). ``prompts = (P, L)``:
     a request of P prompt tokens joins for every L tokens generated, costing prompt_cost[slots] a prompt
-    token on top of its step. Returns the arm of every step that was not an exploration."""
+    token on top of its step. ``busy(step)``: a factor on the step's seconds (a shared CPU). Returns the arm of
+    every step that was not an exploration."""
     arms, before, owed = [], None, 0.0
     batch_size = rows if callable(rows) else lambda step: rows
     by_batch = isinstance(next(iter(cost.values())), dict)
@@ -195,6 +197,7 @@ def drive(policy: AdaptiveTau, steps: int, difficulty, gain: dict, cost: dict, r
         if prompts and owed >= prompts[1]:
             joining, owed = prompts[0], owed - prompts[1]
         seconds = (cost[rows] if by_batch else cost)[slots(arm)] + joining * (prompt_cost or {}).get(slots(arm), 0.0)
+        seconds *= busy(step) if busy else 1.0
         tokens = round(tpf * rows)
         policy.observe(rows, slots(arm), seconds, {} if moved else {arm: (tokens, rows)}, joining)
         owed += tokens
@@ -606,16 +609,8 @@ def test_a_move_to_another_window_waits_for_its_price_beside_the_settled_one():
         policy = AdaptiveTau(TauRange(default=0.9, floor=0.9), lossless=True, lossless_block_sizes=())
         if not paired_prices:
             policy._costs_paired = lambda *args: True
-        arms, before = [], None
-        for step in range(4000):
-            arm = policy.choose([], 4, B)
-            exploring, moved = policy._phase == "explore", before not in (None, arm)
-            tokens = 4 if arm == 1.0 else round({LOSSLESS: 1.5, 0.9: 1.1}[arm] * 4)
-            busy = 2.0 if step // 50 % 2 else 1.0
-            policy.observe(4, slots(arm), cost[slots(arm)] * busy, {} if moved else {arm: (tokens, 4)})
-            arms += [] if exploring else [arm]
-            before = arm
-        return arms
+        return drive(policy, 4000, lambda step: 1.0, {LOSSLESS: 1.5, 0.9: 1.1}, cost, rows=4,
+                     busy=lambda step: 2.0 if step // 50 % 2 else 1.0)
 
     cheap_lossless = {1: 0.010, B: 0.011, 2 * B - 1: 0.012}
     assert at_one(cheap_lossless).count(1.0) == 0
