@@ -7,6 +7,9 @@ data's stats, dvc.lock and the params every stage saw go to ``results/<profile>/
 ``command.json`` (the exact command, the commit, the exit status, when). What is missing (a run that
 stopped early) is listed there instead of copied, so the folder always says how far the run got.
 
+Only the paths a study writes are replaced: the benchmark outputs and the README that live beside them in
+``results/<profile>/`` come from other commands and are left alone.
+
     python -m flows.results CLONE OUT --profile P --command "..." --status N
 """
 
@@ -33,11 +36,21 @@ COPIED = [
 ]
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def collect(clone: Path, out: Path, *, profile: str, command: str, status: int) -> dict:
-    """Copy what the run in ``clone`` produced into ``out`` (replacing an older copy); return command.json."""
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    """Copy what the run in ``clone`` produced into ``out``, replacing the previous study's copy of each path
+    (a path this run did not produce is removed too, so no stale file sits beside the new command.json); return
+    command.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    for _, dest in COPIED:
+        _remove(out / dest)
+    _remove(out / "params.resolved.json")
     copied, missing = [], []
     for src, dest in COPIED:
         path = clone / src

@@ -1,0 +1,34 @@
+"""flows/results.py: a study's collection into results/<profile>/ replaces what the study writes, nothing else."""
+
+from __future__ import annotations
+
+import json
+
+from flows import results
+
+
+def test_collect_replaces_only_the_study_paths(tmp_path):
+    clone, out = tmp_path / "clone", tmp_path / "results" / "smollm2"
+    for path, text in {"metrics/eval.json": "{}", "eval/report.md": "new report", "eval/figures/a.png": "png",
+                       "dvc.lock": "lock", "params.yaml": "profile: smollm2"}.items():
+        (clone / path).parent.mkdir(parents=True, exist_ok=True)
+        (clone / path).write_text(text)
+    # the previous study's copy, and files other commands wrote beside it
+    kept = {"README.md": "the study page", "bench_serve_bf16.txt": "# load benchmark", "extra/notes.md": "notes"}
+    stale = {"metrics/old.json": "{}", "report.md": "old report", "figures/old.png": "png",
+             "data_stats.json": "{}", "params.resolved.json": "{}"}
+    for path, text in {**kept, **stale}.items():
+        (out / path).parent.mkdir(parents=True, exist_ok=True)
+        (out / path).write_text(text)
+
+    record = results.collect(clone, out, profile="smollm2", command="infra/study.sh smollm2", status=0)
+
+    for path, text in kept.items():
+        assert (out / path).read_text() == text
+    assert sorted(p.name for p in (out / "metrics").iterdir()) == ["eval.json"]
+    assert sorted(p.name for p in (out / "figures").iterdir()) == ["a.png"]
+    assert (out / "report.md").read_text() == "new report"
+    # what this run did not produce is not left over from the last one: command.json lists it as missing
+    assert not (out / "data_stats.json").exists() and "data/prepared/stats.json" in record["missing"]
+    assert json.loads((out / "command.json").read_text())["copied"] == record["copied"]
+    assert {"metrics", "report.md", "figures", "dvc.lock", "params.yaml"} <= set(record["copied"])
