@@ -1,4 +1,4 @@
-"""mars.decoding.loop: the accept rule, exact greedy AR at tau = 1, and the cached paths against the no-cache one."""
+"""mars.decoding: the accept rule, exact greedy AR at tau = 1, and the cached paths against the no-cache one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import torch
 from conftest import periodic, tiny_model, train_to_draft
 
 from mars.cli.generate import main as generate_cli
-from mars.decoding.loop import CachedBatch, DecodeRow, GenerationResult, accept, generate
+from mars.decoding.accept import accept, greedy_tokens
+from mars.decoding.batch import CachedBatch, DecodeRow
+from mars.decoding.generate import GenerationResult, generate
+from mars.decoding.setting import Setting
 from mars.errors import MarsError
 from mars.decoding.torch_backend import RowCache, TorchBackend, AttentionGroups
 
@@ -444,7 +447,7 @@ def test_a_row_with_its_own_block_size_forwards_only_its_masks_and_decodes_as_at
     prompt = periodic(1, 7, seed=3000)[0]
     backend = RecordingBackend(model)
     batch = CachedBatch(backend, block_size=B, stop_ids=torch.tensor([DRAFT_EOS]), mask_id=MASK)
-    batch.add([DecodeRow(prompt, 11, lossless=True, block_size=2)])
+    batch.add([DecodeRow(prompt, 11, Setting(lossless=True, width=2))])
     while len(batch):
         (update,) = [u for u in batch.step() if u.done] or [None]
     alone = generate(model, None, [prompt], mode="lossless", block_size=2, max_new_tokens=11)[0]
@@ -455,7 +458,7 @@ def test_a_row_with_its_own_block_size_forwards_only_its_masks_and_decodes_as_at
     prompts = [x[:n] for x, n in zip(periodic(3, 12, seed=2100), (7, 5, 9))] + random_prompts((6, 4, 8), seed=5)
     settings = [("lossless", 1.0, 2), ("lossless", 1.0, None), ("tau", 0.5, 2), ("tau", 1.0, None),
                 ("lossless", 1.0, 3), ("tau", 0.5, 3)]
-    rows = [DecodeRow(p, 16, tau=t, lossless=m == "lossless", block_size=w, key=i)
+    rows = [DecodeRow(p, 16, Setting(t, m == "lossless", w), key=i)
             for i, (p, (m, t, w)) in enumerate(zip(prompts, settings))]
     backend = RecordingBackend(model)
     batch = CachedBatch(backend, block_size=B, stop_ids=torch.tensor([DRAFT_EOS]), mask_id=MASK)
@@ -480,7 +483,7 @@ def test_rows_starting_with_the_shared_prompt_head_get_its_cache_and_decode_as_a
     settings = [("lossless", 1.0), ("tau", 0.5), ("tau", 1.0), ("lossless", 1.0), ("tau", 0.7), ("lossless", 1.0),
                 ("tau", 1.0)]
     rooms = [5, 12, 4, 12, 6, 9, 7]
-    rows = [DecodeRow(p, room, tau=t, lossless=m == "lossless", key=i)
+    rows = [DecodeRow(p, room, Setting(t, m == "lossless"), key=i)
             for i, (p, (m, t), room) in enumerate(zip(prompts, settings, rooms))]
     backend = RecordingBackend(model)
     batch = CachedBatch(backend, block_size=B, stop_ids=torch.tensor([DRAFT_EOS]), mask_id=MASK, prefix=head)
@@ -713,8 +716,6 @@ def test_grouped_query_heads_stacked_as_queries_give_transformers_attention_bit_
 
 
 def test_the_greedy_token_is_the_first_of_tied_maxima_as_hf_greedy_takes_it():
-    from mars.decoding.loop import greedy_tokens
-
     logits = torch.tensor([[[0.5, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]],
                            [[-1.0, -4.0, -1.0, -1.0], [0.0, 1.0, 0.0, 1.0]]])
     for dtype in (torch.float32, torch.bfloat16):

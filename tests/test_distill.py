@@ -41,7 +41,7 @@ def base(tmp_path_factory) -> Path:
                 weights.normal_(0, 0.3)
         model.get_input_embeddings().weight[len(tok):] = 0  # spare rows decode to no text: picks stay on real tokens
     # A random model never says EOS: a second stop token, one it emits for some prompts and not others
-    from mars.decoding.loop import generate
+    from mars.decoding.generate import generate
     from mars.training import suite
 
     outs = [g.token_ids for g in generate(model, tok, [it.prompt for it in suite.train(24, 0)], tau=1.0,
@@ -113,7 +113,7 @@ def test_a_local_dataset_column_of_chats_gives_the_first_user_turn(tmp_path):
 def test_distilled_rows_are_the_base_models_own_greedy_outputs(base, tmp_path):
     """Re-decode a sample with HF generate (greedy, fp32): the same tokens and the same text."""
     from mars.core.models import load_model
-    from mars.decoding.loop import encode_prompts
+    from mars.decoding.generate import encode_prompts
 
     manifest = distill.distill(config(), TASKS, base, tmp_path / "out", tmp_path / "work", progress=False)
     rows = rows_of(tmp_path / "out")

@@ -216,7 +216,7 @@ def test_onnxruntime_decoder_gives_the_pytorch_decoders_tokens(exported, checkpo
     The export's batch is 2 and W = 8: five prompts run as three batches (the last one with a padding
     row), rows finish at different steps (retain), and the block cache's windows (C + B - 1 = 9) are
     wider than W (two graph calls)."""
-    from mars.decoding.loop import generate
+    from mars.decoding.generate import generate
     from mars.core.models import load_model
 
     engine = ExportedBlock(exported[0])
@@ -244,7 +244,7 @@ def drafting_export(tmp_path_factory):
 def test_onnxruntime_decoder_runs_lossless_mode_exactly(drafting_export, heldout_prompts, b_cache):
     """Lossless mode on the exported graph: greedy output, the PyTorch decoder's forwards. Its windows
     (the last token + up to B-1 drafts + B-1 masks: 7) fit W = 8; the block cache's are wider (two calls)."""
-    from mars.decoding.loop import generate
+    from mars.decoding.generate import generate
     from mars.core.models import load_model
 
     checkpoint, out = drafting_export
@@ -348,7 +348,7 @@ def test_cli(checkpoint, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_smollm2_exports_with_parity_and_decodes_alike(smollm2_dir, tmp_path):
-    from mars.decoding.loop import generate
+    from mars.decoding.generate import generate
     from mars.core.mask_token import add_mask_token
     from mars.core.models import load_model
 

@@ -328,7 +328,7 @@ def test_round_trip_of_a_real_model_through_s3(s3_server, monkeypatch, tmp_path)
     import torch
     from conftest import tiny_model
 
-    from mars.decoding.loop import generate
+    from mars.decoding.generate import generate
     from mars.decoding.onnx_backend import ExportedBlock
     from mars.release.export import ExportConfig, export_checkpoint
     from mars.core.mask_token import add_mask_token

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from mars.decoding.loop import generate
+from mars.decoding.generate import generate
 from mars.decoding.stop_strings import StopStrings
 
 VOCAB, MASK, B = 96, 95, 4

@@ -10,7 +10,7 @@ from mars.cli.options import add_model_arguments, add_params_arguments, decode_c
 
 
 def main(argv: list[str], verb: str = "generate") -> int:
-    from mars.decoding.loop import MODES, generate
+    from mars.decoding.generate import MODES, generate
 
     parser = argparse.ArgumentParser(
         prog=f"mars {verb}", description="Decode prompts with a MARS checkpoint (defaults: params.yaml decode:).")

@@ -49,7 +49,7 @@ def load_model_from_args(source: str, args: argparse.Namespace):
 def decode_config(args: argparse.Namespace):
     """The ``decode:`` section; its defaults when the default params.yaml is absent (``mars generate``
     works outside the project), which are the same values as params.yaml's."""
-    from mars.decoding.loop import DecodeConfig
+    from mars.decoding.generate import DecodeConfig
 
     if args.params == str(DEFAULT_PARAMS) and not Path(args.params).is_file() and not args.overrides:
         return DecodeConfig()

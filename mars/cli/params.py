@@ -38,7 +38,7 @@ SECTIONS: dict[str, str] = {
     "train": "mars.training.trainer:TrainConfig",
     "export": "mars.release.export:ExportConfig",
     "store": "mars.release.store:StoreConfig",
-    "decode": "mars.decoding.loop:DecodeConfig",
+    "decode": "mars.decoding.generate:DecodeConfig",
     "evaluate": "mars.evaluation.evaluate:EvalConfig",
     "gate": "mars.evaluation.gate:GateConfig",
     "flow": "flows.pipeline:FlowConfig",

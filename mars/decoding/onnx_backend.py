@@ -15,8 +15,8 @@ KV cache. Conventions (also written into ``manifest.json`` by :mod:`mars.release
   ``[layers, batch, kv_heads, W, head_dim]``; the caller appends the accepted ones to its cache.
 
 :class:`ExportedBlock` loads an export directory (verifying the manifest's checksums) and runs the
-graph; :class:`OnnxBackend` keeps per-row prefix caches and drives the decoding loop of
-:mod:`mars.decoding.loop` on it.
+graph; :class:`OnnxBackend` keeps per-row prefix caches and serves the cached decoding loop of
+:mod:`mars.decoding.batch` on it.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class ExportedBlock:
 
     @property
     def config(self):
-        """The checkpoint's config (with ``config.mars``) as :func:`mars.decoding.loop.generate` reads it; its
+        """The checkpoint's config (with ``config.mars``) as :func:`mars.decoding.generate.generate` reads it; its
         context is the export's: committed prefixes stay within the graph's past axis."""
         if self._config is None:
             from transformers import AutoConfig
@@ -155,9 +155,9 @@ class ExportedBlock:
         return self._generation_config
 
     def generate(self, prompts, tokenizer=None, **kwargs):
-        """:func:`mars.decoding.loop.generate` on this engine: the same loop, tau rule and results as the
+        """:func:`mars.decoding.generate.generate` on this engine: the same loop, tau rule and results as the
         PyTorch decoder, with the block forward run by onnxruntime. ``batch_size`` is the export's."""
-        from mars.decoding.loop import generate
+        from mars.decoding.generate import generate
 
         tokenizer = tokenizer if tokenizer is not None else self.load_tokenizer()
         kwargs.setdefault("batch_size", self.spec.batch_size)
@@ -174,7 +174,7 @@ class ExportedBlock:
 
 
 class OnnxBackend:
-    """The decoding backend of :mod:`mars.decoding.loop` (start / forward / commit / retain / reset /
+    """The decoding backend of :mod:`mars.decoding.batch` (start / forward / commit / retain / reset /
     extend) on an :class:`ExportedBlock`.
 
     Each row's cache lives in a preallocated buffer ``[layers, batch, kv_heads, max_context, head_dim]``;

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from mars.core.checkpoint_info import CheckpointInfo
-from mars.decoding.loop import encode_prompts, generate, stop_token_ids_of
+from mars.decoding.generate import encode_prompts, generate, stop_token_ids_of
 from mars.errors import MarsError
 from mars.decoding.torch_backend import TorchBackend
 
@@ -75,7 +75,7 @@ def hf_generate(model, prompts: list[list[int]], batch_size: int, max_new_tokens
     """HF greedy with its KV cache, left-padded batches; returns (each prompt's tokens up to and with its
     EOS, in prompt order; forwards per row as MARS counts them: one row's calls of the model, the prefill
     giving the first token; batched plain greedy takes one per token). Prompts of similar length go together, as in
-    :func:`mars.decoding.loop.generate` (less padding). ``prompt_lookup``: HF prompt-lookup decoding
+    :func:`mars.decoding.generate.generate` (less padding). ``prompt_lookup``: HF prompt-lookup decoding
     (``prompt_lookup_num_tokens``: n-grams of the context as drafts, verified by the model; batch 1 only)."""
     outputs: list[list[int] | None] = [None] * len(prompts)
     calls = [0]

@@ -1,7 +1,7 @@
 """The PyTorch decode backend: a per-row KV cache and a lean pass over the model's own layers.
 
-:mod:`mars.decoding.loop` drives any backend through ``start / forward / commit / retain / reset`` (see its
-module docstring). This one serves a transformers causal LM.
+:class:`mars.decoding.batch.CachedBatch` drives any backend through ``start / forward / commit / retain / reset``
+(see :mod:`mars.decoding.batch`, "Backend interface"). This one serves a transformers causal LM.
 
 The cache (:class:`RowCache`) is preallocated per layer as ``[rows, kv_heads, capacity, head_dim]``;
 entry ``j`` of row ``i`` is row i's token at position ``j`` of its own sequence, so there is no padding

@@ -2,7 +2,7 @@
 
 For each checkpoint (``--checkpoint NAME=DIR``, e.g. sft, ar_control, mars), each enabled benchmark
 (:mod:`mars.evaluation.benchmarks`) and each tau of the sweep, the questions are decoded greedily with
-:func:`mars.decoding.loop.generate` at the checkpoint's block size and scored. Written:
+:func:`mars.decoding.generate.generate` at the checkpoint's block size and scored. Written:
 
 - ``<out>/<checkpoint>/<benchmark>/tau=<tau>.jsonl`` (``lossless.jsonl`` for the lossless mode, with
   ``evaluate.lossless``): one line per item (prompt ids, generated ids and text, forwards, score and
@@ -28,6 +28,7 @@ from pathlib import Path
 from mars.core.atomic import write_json, write_jsonl
 from mars.core.digest import sha256_tree
 from mars.core.checkpoint_info import CheckpointInfo
+from mars.decoding.setting import Setting
 from mars.evaluation.benchmarks import BenchmarkConfig, Context, create
 from mars.errors import ConfigError, MarsError
 from mars.evaluation.harness import LmEvalConfig
@@ -76,12 +77,10 @@ class EvalConfig:
         if not self.taus:
             raise ConfigError("taus: give at least one tau")
         for t in self.taus:
-            if not 0 < t <= 1:
-                raise ConfigError(f"taus: every tau must be in (0, 1], got {t}")
+            Setting.check_tau(t, "taus")
         if len(set(self.taus)) != len(self.taus):
             raise ConfigError(f"taus: duplicate values in {self.taus}")
-        if self.block_size is not None and self.block_size < 1:
-            raise ConfigError(f"block_size: must be >= 1, got {self.block_size}")
+        Setting(width=self.block_size)  # the decoding block size, checked as a row's width is
         if self.batch_size < 1:
             raise ConfigError(f"batch_size: must be >= 1, got {self.batch_size}")
         if not any(b.enabled for b in self.benchmarks.values()) and not self.lm_eval.tasks:
@@ -121,7 +120,7 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
                    log=print) -> dict:
     """Evaluate one loaded model on every benchmark x tau (+ lossless); writes per-item outputs, returns metrics
     entries."""
-    from mars.decoding.loop import generate
+    from mars.decoding.generate import generate
 
     block_size = cfg.block_size_for(name, model)
     entries: dict[str, dict] = {}

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from mars.core.atomic import read_json, write_json
 from mars.core.digest import is_sha256, sha256_file, sha256_tree
+from mars.decoding.setting import Setting
 from mars.errors import ConfigError, MarsError
 from mars.evaluation.metric_key import MetricKey, metric_key
 
@@ -71,8 +72,8 @@ class GateConfig:
             raise ConfigError("tolerance: must be >= 0")
         if (self.min_tokens_per_forward is not None or self.max_score_drop is not None) and self.speed_tau is None:
             raise ConfigError("speed_tau: min_tokens_per_forward / max_score_drop need the tau they apply at")
-        if self.speed_tau is not None and not 0 < self.speed_tau <= 1:
-            raise ConfigError(f"speed_tau: must be in (0, 1], got {self.speed_tau}")
+        if self.speed_tau is not None:
+            Setting.check_tau(self.speed_tau, "speed_tau")
 
 
     def baselines(self) -> list[str]:

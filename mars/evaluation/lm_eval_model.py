@@ -4,7 +4,7 @@
 imports this module and then runs lm-eval's command line: ``mars lm-eval --model mars --model_args
 pretrained=DIR,tau=0.9,block_size=4,batch_size=16 --tasks ...`` takes every ``lm_eval`` option.
 
-- ``generate_until`` decodes with :func:`mars.decoding.loop.generate`: up to B tokens per forward,
+- ``generate_until`` decodes with :func:`mars.decoding.generate.generate`: up to B tokens per forward,
   accepted at threshold ``tau`` (or verified drafts with ``mode=lossless``), KV cache, continuous
   batching. Greedy only: sampling arguments are refused. ``until`` stop strings end a sequence at the
   token that completes one and are cut from the text, ``max_gen_toks`` caps it, as lm-eval's ``hf``
@@ -33,7 +33,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from tqdm import tqdm
 
 from mars.config import build
-from mars.decoding.loop import DecodeConfig
+from mars.decoding.generate import DecodeConfig
 from mars.errors import MarsError
 
 log = logging.getLogger("lm_eval.models.mars")  # lm-eval's handler and level, beside its own models' lines
@@ -126,7 +126,7 @@ class MarsLM(HFLM):
         return ids[0].tolist()
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from mars.decoding.loop import generate
+        from mars.decoding.generate import generate
 
         # One decode call per task and generation arguments: stats stay per task, and a call shares
         # its stop strings and token budget.

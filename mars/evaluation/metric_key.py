@@ -3,7 +3,7 @@
 It keys ``metrics/eval.json`` (written by :mod:`mars.evaluation.evaluate`, read by the gate and the
 plots) and names the per-item outputs ``<out>/<checkpoint>/<benchmark>/<point>.jsonl``. tau is
 written as Python writes the float (``tau=1.0``, ``tau=0.95``), so formatting a parsed key gives the
-same key back. The lossless decoding mode (:mod:`mars.decoding.loop`) has no threshold: its key holds
+same key back. The lossless decoding mode (:mod:`mars.decoding.accept`) has no threshold: its key holds
 ``tau=None`` and reads ``lossless``.
 """
 

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mars.decoding.loop import encode_prompts
+from mars.decoding.generate import encode_prompts
 from mars.decoding.sampling import SamplingParams
 from mars.errors import MarsError
 from mars.serving.engine import Closed, Engine, Finished, GenerationRequest, QueueFull

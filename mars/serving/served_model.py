@@ -14,6 +14,7 @@ from typing import Any, Callable, Literal
 
 from mars.core.atomic import read_json
 from mars.core.checkpoint_info import CheckpointInfo
+from mars.decoding.setting import Setting
 from mars.errors import MarsError
 
 BACKENDS = ("torch", "onnx")
@@ -54,7 +55,7 @@ def chat_head(tokenizer) -> list[int]:
     """The token ids every single-turn chat prompt starts with: the chat template's default system turn and
     the user header (SmolLM2-Instruct: 24 tokens). Empty without a chat template. A prompt only uses it
     where its own ids start with it (a template may merge the header with the first content token)."""
-    from mars.decoding.loop import encode_prompts
+    from mars.decoding.generate import encode_prompts
 
     if not getattr(tokenizer, "chat_template", None):
         return []
@@ -63,21 +64,15 @@ def chat_head(tokenizer) -> list[int]:
     return first[:n]
 
 
-def _check_tau(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-        raise ServeError(f"{what}: must be in (0, 1], got {value!r}")
-    return float(value)
-
-
 def load_checkpoint(path: str | Path, *, name: str, backend: str = "torch", default_tau: float = 0.9,
                     tau_floor: float | None = None, device: str = "cpu", dtype: str = "float32",
                     export_dir: str | Path | None = None, tokenizer_dir: str | Path | None = None,
                     version: str | None = None, manifest: dict | None = None) -> ServedModel:
     """A checkpoint directory (``backend="torch"``) or its export (``backend="onnx"``, ``export_dir``)."""
-    from mars.decoding.loop import _context_length, stop_token_ids_of
+    from mars.decoding.generate import context_length_of, stop_token_ids_of
 
-    default_tau = _check_tau(default_tau, "tau")
-    floor = default_tau if tau_floor is None else _check_tau(tau_floor, "tau_floor")
+    default_tau = Setting.check_tau(default_tau, "tau")
+    floor = default_tau if tau_floor is None else Setting.check_tau(tau_floor, "tau_floor")
     if floor > default_tau:
         raise ServeError(f"tau_floor: {floor} is above the default tau {default_tau}")
     if backend == "torch":
@@ -105,7 +100,7 @@ def load_checkpoint(path: str | Path, *, name: str, backend: str = "torch", defa
         raise ServeError(f"{path}: not a MARS checkpoint (no config.mars): it serves tau = 1.0 only")
     return ServedModel(name=name, tokenizer=tokenizer, new_backend=new_backend,
                        block_size=info.block_size if info else None, mask_id=info.mask_token_id if info else 0,
-                       stop_ids=stops, context=_context_length(config), default_tau=default_tau, tau_floor=floor,
+                       stop_ids=stops, context=context_length_of(config), default_tau=default_tau, tau_floor=floor,
                        max_rows=max_rows, version=version, source=str(path), backend=backend, manifest=manifest or {},
                        prompt_head=chat_head(tokenizer))
 
@@ -118,8 +113,8 @@ def load_release(release_dir: str | Path, *, backend: str = "torch", device: str
     release_dir = Path(release_dir)
     manifest = read_json(release_dir / MANIFEST_FILE, "not a pulled release: run `mars pull`", ReleaseError)
     where = release_dir / MANIFEST_FILE
-    tau = _check_tau(manifest.get("tau", 1.0), f"{where}: tau")
-    floor = _check_tau(manifest.get("tau_floor", tau), f"{where}: tau_floor")
+    tau = Setting.check_tau(manifest.get("tau", 1.0), f"{where}: tau")
+    floor = Setting.check_tau(manifest.get("tau_floor", tau), f"{where}: tau_floor")
     if backend == "onnx" and "onnx" not in manifest.get("engines", {}):
         raise ServeError(f"{where}: release {manifest.get('version')} has no ONNX export; "
                          "serve it with --backend torch")

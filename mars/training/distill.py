@@ -13,7 +13,7 @@ Prompt sources (``distill.*``, each on when it asks for rows), pooled in this or
 - ``datasets``: a column of a ``datasets`` data set (a hub name needs the hub: offline that fails
   with a message saying so) or a local dataset directory.
 
-Decoding: :func:`mars.decoding.loop.generate` at tau = 1.0 (greedy AR exactly), batched, in the
+Decoding: :func:`mars.decoding.generate.generate` at tau = 1.0 (greedy AR exactly), batched, in the
 configured dtype (``auto``: bfloat16 where the CPU or GPU has bf16 matrix units; distil in the dtype
 you evaluate in). Responses that hit ``max_new_tokens`` are counted and kept or dropped
 (``hit_limit``).
@@ -292,7 +292,7 @@ def distill(cfg: DistillConfig, tasks: TasksConfig, base: str | Path, out: str |
     import torch
 
     from mars.core.models import load_model
-    from mars.decoding.loop import generate
+    from mars.decoding.generate import generate
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
