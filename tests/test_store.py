@@ -16,7 +16,8 @@ from s3_server import use_server
 from mars.config import ConfigError, load_params
 from mars.core.digest import sha256_file
 from mars.cli.options import store_config
-from mars.release.store import (IntegrityError, NotFound, StoreConfig, StoreError, configure_dvc, object_key, open_store)
+from mars.release.store import (IntegrityError, NoSuchBucket, NotFound, StoreConfig, StoreError, configure_dvc,
+                                object_key, open_store)
 
 MB = 1024 * 1024
 
@@ -124,10 +125,14 @@ def test_s3_failures_name_the_bucket_and_key_and_never_the_secret(s3_server, mon
     bucket = s3_server.make_bucket()
     src, digest = _file(tmp_path / "a.bin", 100)
 
-    with pytest.raises(NotFound, match=r"s3://no-such-bucket-x: no such bucket"):
+    # a missing bucket is its own error, never taken for a missing object (which callers treat as "absent")
+    assert not issubclass(NoSuchBucket, NotFound)
+    with pytest.raises(NoSuchBucket, match=r"s3://no-such-bucket-x: no such bucket"):
         open_store("s3://no-such-bucket-x/p").check()
-    with pytest.raises(NotFound, match=r"s3://no-such-bucket-x: upload failed: no such bucket"):
+    with pytest.raises(NoSuchBucket, match=r"s3://no-such-bucket-x: upload failed: no such bucket"):
         open_store("s3://no-such-bucket-x/p").put_object(src, digest, 100)
+    with pytest.raises(NoSuchBucket, match=r"s3://no-such-bucket-x: get failed: no such bucket"):
+        open_store("s3://no-such-bucket-x/p").get_json("stages/mars/prod.json")
 
     wrong = "wrong" + s3_server.secret_key[5:]
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong)

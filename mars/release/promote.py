@@ -205,9 +205,7 @@ def _versions(store: Store, name: str) -> list[str]:
 def _read_pointer(store: Store, name: str, stage: str) -> dict | None:
     try:
         return store.get_json(pointer_key(name, stage))[0]
-    except NotFound as err:
-        if "no such bucket" in str(err):
-            raise
+    except NotFound:
         return None
 
 
@@ -365,9 +363,7 @@ def _manifest_files(manifest: dict, where: str) -> dict:
 def _read_seal(store: Store, name: str, version: str) -> str | None:
     try:
         seal = store.get_json(seal_key(name, version))[0].get("manifest_sha256")
-    except NotFound as err:
-        if "no such bucket" in str(err):
-            raise
+    except NotFound:
         return None
     return seal if is_sha256(seal) else None
 

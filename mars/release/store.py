@@ -49,6 +49,10 @@ class NotFound(StoreError):
     """The object or document does not exist."""
 
 
+class NoSuchBucket(StoreError):
+    """The S3 bucket itself is missing: not an absent object, so no caller takes it for one."""
+
+
 class IntegrityError(StoreError):
     """An object's bytes do not match the size or sha256 it was recorded with."""
 
@@ -374,7 +378,8 @@ class S3Store(Store):
             code = str(error.get("Code", ""))
             status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if code == "NoSuchBucket":
-                return NotFound(f"s3://{self.bucket}: {action} failed: no such bucket (create it, or fix store.uri)")
+                return NoSuchBucket(f"s3://{self.bucket}: {action} failed: no such bucket (create it, or fix "
+                                    "store.uri)")
             if code in ("NoSuchKey", "404", "NotFound"):
                 return NotFound(f"{where}: no such object")
             if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden",
@@ -411,14 +416,12 @@ class S3Store(Store):
         try:
             self._call("head bucket", None, self.client.head_bucket, Bucket=self.bucket)
         except NotFound:  # HEAD has no error body: a bare 404 here means the bucket
-            raise NotFound(f"s3://{self.bucket}: no such bucket (create it, or fix store.uri)") from None
+            raise NoSuchBucket(f"s3://{self.bucket}: no such bucket (create it, or fix store.uri)") from None
 
     def size(self, key: str) -> int | None:
         try:
             head = self._call("head", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
-        except NotFound as err:
-            if "no such bucket" in str(err):
-                raise
+        except NotFound:
             return None
         return int(head["ContentLength"])
 
