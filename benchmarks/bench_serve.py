@@ -1,36 +1,25 @@
-"""Load benchmark of `mars serve`: tau = 1.0, a fixed tau < 1, the lossless mode and the adaptive policy.
+"""Load benchmark of `mars serve`: the fixed settings (tau = 1.0, a fixed tau < 1, the lossless mode at B and
+narrower) against the adaptive tau policy, with no floor (the server's default: greedy output) and with
+``--tau-floor`` where one is given.
 
-For each policy it starts `mars serve --model DIR` on 127.0.0.1 (a subprocess on a free port: the load
-generator does not share the server's interpreter) and warms it up; then at each level, the policies in
-turn, it runs a bounded load (a fixed number of concurrent streams, each sending its share of a fixed
-number of requests, then it stops) and a bursty trace that moves between levels. ``--repeats N`` runs
-N rounds of each level, the policies taking turns in every round (each round one further along the
-list, so that no policy always runs first or last), and a cell shows the median round:
-on a 2-core machine one round's cells move by 5-15% from run to run. With N > 1 it also prints the adaptive
-policy against the best fixed setting within each round (they ran back to back, so the machine's drift
-between rounds cancels) and the median of those, and the same against the one setting whose median is best
-(a round's best of four noisy cells is biased high; a setting picked once over all rounds, less so).
-Requests are the held-out prompts of the prepared data (token ids through /v1/completions, greedy, streamed), so each run also gives the held-out score of
-what that policy generated. Printed per level: generated tokens/s, requests/s, latency and
-time-to-first-token percentiles (p50/p95/p99), tokens/forward and the score; then the adaptive policy
-against the best fixed setting and against tau = 1.0, where it spent its steps, and the share of each
-server's step time in steps that took new prompts (their prefill: the same work per request whatever
-the setting, so where it is large the settings' decoding speeds show less in tokens/s). "lossless fixed" sends every request with
-``mode: lossless`` (tau = 1.0's output, drafts verified), "lossless w=2 fixed" with ``block_size: 2`` too
-(one draft a step: a narrower window; ``--lossless-block-sizes``); the adaptive policy may use that mode
-at both widths (``mars serve --adaptive-lossless``, on by default; ``--no-adaptive-lossless`` here turns
-it off).
+Each setting is its own `mars serve --model DIR` on 127.0.0.1 (a subprocess on a free port: the load
+generator does not share the server's interpreter), warmed up, then kept for the whole run. At each level
+(a fixed number of concurrent streams, each sending its share of a fixed number of requests; then a bursty
+trace that moves between levels) the settings take turns in every round, each round one further along the
+list, so that none always runs first or last; a cell shows the median of ``--repeats`` rounds. Then, per
+level and adaptive server: its tokens/s against the best fixed setting and against tau = 1.0 within each
+round (they ran back to back, so the machine's drift cancels), the median and the spread of those ratios
+(a goal inside the spread is met within the benchmark's own noise), and where the policy spent its steps.
+Requests are the held-out prompts of the prepared data (token ids through /v1/completions, greedy,
+streamed), so each run also gives the held-out score of what each setting generated.
 
-    python benchmarks/bench_serve.py --model checkpoints/mars/final --data data/prepared
-    python benchmarks/bench_serve.py --model DIR --data DIR --levels 1,4,16 --per-stream 6 --fixed-tau 0.9 \
-        --tau-floor 0.7 --bursty 1:6,16:48,4:12,16:48,1:6 --json bench_serve.json
+    python benchmarks/bench_serve.py --model checkpoints/mars/final --data data/prepared --repeats 3
+    python benchmarks/bench_serve.py --model build/study-smollm2/checkpoints/mars/final \
+        --data build/study-smollm2/data/prepared --dtype bfloat16 --tau-floor 0.9 --repeats 3 --json out.json
 
-Loopback only: it binds and connects to 127.0.0.1 and nothing else. Wall-clock numbers are only as
-good as the machine is quiet. On a small machine the load generator competes with the server for the same
-cores: ``--server-cpus 0 --client-cpus 1`` (taskset-style lists) keeps them apart. On a 2-core machine,
-the default profile's toy at one stream with a 1-thread server, lossless fixed read 1175 tokens/s apart
-and 1585 pinned in two runs one after the other (median of six rounds each); the machine's own drift
-moved a later pinned run to 1023.
+Loopback only: it binds and connects to 127.0.0.1 and nothing else. Wall-clock numbers are only as good as
+the machine is quiet; on a small machine ``--server-cpus`` and ``--client-cpus`` (taskset-style lists) keep
+the servers and the load generator apart.
 """
 
 from __future__ import annotations
@@ -76,18 +65,18 @@ def free_port() -> int:
 class Server:
     """`mars serve --model DIR` in a subprocess on 127.0.0.1."""
 
-    def __init__(self, model: str, *, policy: str, tau: float, floor: float, max_batch: int, dtype: str,
-                 threads: int | None, mode: str = "tau", block_size: int | None = None, adaptive_lossless: bool = True,
-                 prefix_cache: bool = True, cpus: set[int] | None = None):
+    def __init__(self, model: str, *, policy: str, tau: float, floor: float | None, max_batch: int, dtype: str,
+                 threads: int | None, mode: str = "tau", block_size: int | None = None, prefix_cache: bool = True,
+                 cpus: set[int] | None = None):
         self.mode, self.block_size = mode, block_size  # what every request asks for
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mars.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port",
-             str(self.port), "--tau-policy", policy, "--tau", str(tau), "--tau-floor", str(floor), "--max-batch",
-             str(max_batch), "--max-queue", "100000", "--dtype", dtype, "--log-level", "warning",
-             "--adaptive-lossless" if adaptive_lossless else "--no-adaptive-lossless",
+             str(self.port), "--tau-policy", policy, "--tau", str(tau), "--max-batch", str(max_batch),
+             "--max-queue", "100000", "--dtype", dtype, "--log-level", "warning",
+             *(["--tau-floor", str(floor)] if floor is not None else []),
              "--prefix-cache" if prefix_cache else "--no-prefix-cache",
              *(["--threads", str(threads)] if threads else [])],
             env=env, stderr=subprocess.PIPE, preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
@@ -111,30 +100,27 @@ class Server:
 
 
 def server_counters(server: Server) -> dict:
-    """From the server's /metrics: its decoding steps so far by the arm its tau policy chose
+    """From the server's /metrics: its decoding steps so far by the setting its tau policy chose
     (``mars_policy_steps_total``), and its seconds in steps (``mars_step_seconds_sum``), of them in steps that
     took new prompts (``mars_joining_step_seconds_total``); and what its policy decides on (``policy_state``:
-    step costs and prompt-token costs by "BATCHxWINDOW", tokens/forward by arm), kept in --json to tell why it
-    chose what it chose."""
+    step costs by "BUCKETxWINDOW", tokens per row and step by setting), kept in --json."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(server.url + "/metrics", timeout=30).text
     counters = {"policy_steps": {}, "step_seconds": 0.0, "joining_seconds": 0.0}
-    state: dict[str, dict] = {"step_cost": {}, "prompt_token_cost": {}, "tokens_per_forward": {}}
+    state: dict[str, dict] = {"step_cost": {}, "tokens_per_forward": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "mars_policy_steps_total":
-                counters["policy_steps"][sample.labels["arm"]] = sample.value
+                counters["policy_steps"][sample.labels["setting"]] = sample.value
             elif sample.name == "mars_step_seconds_sum":
                 counters["step_seconds"] = sample.value
             elif sample.name == "mars_joining_step_seconds_total":
                 counters["joining_seconds"] = sample.value
             elif sample.name == "mars_step_cost_seconds":
                 state["step_cost"][f"{sample.labels['batch']}x{sample.labels['window']}"] = sample.value
-            elif sample.name == "mars_prompt_token_cost_seconds":
-                state["prompt_token_cost"][sample.labels["batch"]] = sample.value
             elif sample.name == "mars_tokens_per_forward":
-                state["tokens_per_forward"][sample.labels["tau"]] = sample.value
+                state["tokens_per_forward"][sample.labels["setting"]] = sample.value
     counters["policy_state"] = state
     return counters
 
@@ -250,13 +236,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the bursty trace: STREAMS:REQUESTS phases run back to back ('' to skip)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--fixed-tau", type=float, default=0.9, help="the fixed tau < 1 compared")
-    parser.add_argument("--tau-floor", type=float, help="the adaptive policy's floor (default: --fixed-tau)")
+    parser.add_argument("--tau-floor", type=float,
+                        help="also run an adaptive server with this floor (mars serve --tau-floor; default: none)")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=16, help="requests at 4 streams before measuring")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, help="torch threads of the server (mars serve --threads)")
-    parser.add_argument("--adaptive-lossless", action=argparse.BooleanOptionalAction, default=True,
-                        help="the adaptive policy may use the lossless mode (default: on)")
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="every server computes the chat template's head once (mars serve --prefix-cache; "
                              "default: on)")
@@ -276,13 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.client_cpus:
         os.sched_setaffinity(0, cpu_list(args.client_cpus, "--client-cpus"))
     items = held_out(args.data, args.items)
-    floor = args.tau_floor if args.tau_floor is not None else args.fixed_tau
     narrow = [int(w) for w in args.lossless_block_sizes.split(",") if w] if args.lossless else []
-    policies = [("tau=1.0 fixed", "fixed", 1.0, 1.0, "tau", None),
-                (f"tau={args.fixed_tau:g} fixed", "fixed", args.fixed_tau, args.fixed_tau, "tau", None),
-                *([("lossless fixed", "fixed", 1.0, 1.0, "lossless", None)] if args.lossless else []),
-                *((f"lossless w={w} fixed", "fixed", 1.0, 1.0, "lossless", w) for w in narrow),
-                ("adaptive", "adaptive", args.fixed_tau, floor, "tau", None)]
+    # (label, policy, tau, floor, mode, block size): the fixed settings, then the adaptive servers
+    policies = [("tau=1.0 fixed", "fixed", 1.0, None, "tau", None),
+                (f"tau={args.fixed_tau:g} fixed", "fixed", args.fixed_tau, None, "tau", None),
+                *([("lossless fixed", "fixed", 1.0, None, "lossless", None)] if args.lossless else []),
+                *((f"lossless w={w} fixed", "fixed", 1.0, None, "lossless", w) for w in narrow),
+                ("adaptive", "adaptive", args.fixed_tau, None, "tau", None),
+                *([(f"adaptive floor={args.tau_floor:g}", "adaptive", args.fixed_tau, args.tau_floor, "tau", None)]
+                  if args.tau_floor is not None else [])]
     try:
         levels = load_levels(args.levels, args.bursty, args.per_stream)
     except ValueError as err:
@@ -295,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, policy, tau, tau_floor, mode, block_size in policies:
             servers.append((label, Server(args.model, policy=policy, tau=tau, floor=tau_floor,
                                           max_batch=args.max_batch, dtype=args.dtype, threads=args.threads, mode=mode,
-                                          block_size=block_size, adaptive_lossless=args.adaptive_lossless,
-                                          prefix_cache=args.prefix_cache, cpus=server_cpus)))
+                                          block_size=block_size, prefix_cache=args.prefix_cache, cpus=server_cpus)))
             asyncio.run(run_phase(servers[-1][1], items, 0, 4, args.warmup, args.max_tokens))
         for name, phases in levels:
             runs: dict[str, list[dict]] = {label: [] for label, _ in servers}
@@ -312,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                     after = server_counters(server)
                     steps = {arm: n - before["policy_steps"].get(arm, 0.0) for arm, n in after["policy_steps"].items()}
                     runs[label][-1]["policy_steps"] = {arm: n for arm, n in steps.items() if n}
-                    if label == "adaptive":
+                    if label.startswith("adaptive"):
                         runs[label][-1]["policy_state"] = after["policy_state"]
                     stepping = after["step_seconds"] - before["step_seconds"]
                     runs[label][-1]["joining_share"] = ((after["joining_seconds"] - before["joining_seconds"]) / stepping
@@ -331,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     head = (f"{'level':<28} {'policy':<19} {'tok/s':>8} {'req/s':>7} {'lat p50':>8} {'p95':>7} {'p99':>7} "
             f"{'ttft p50':>9} {'p95':>7} {'p99':>7} {'tok/fwd':>8} {'score':>6}")
     print(f"model {args.model}, {len(items)} held-out items, max_tokens {args.max_tokens}, max_batch {args.max_batch}, "
-          f"adaptive floor {floor:g}, prefix cache {'on' if args.prefix_cache else 'off'}, "
+          f"{args.repeats} rounds, prefix cache {'on' if args.prefix_cache else 'off'}, "
           f"CPUs: servers {args.server_cpus or 'any'}, load generator {args.client_cpus or 'any'}")
     print(head)
     for name, row in table.items():
@@ -339,41 +325,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name if k == 0 else '':<28} {label:<19} {s['tokens_per_s']:>8.1f} {s['requests_per_s']:>7.2f} "
                   f"{s['latency_p50']:>8.3f} {s['latency_p95']:>7.3f} {s['latency_p99']:>7.3f} {s['ttft_p50']:>9.3f} "
                   f"{s['ttft_p95']:>7.3f} {s['ttft_p99']:>7.3f} {s['tokens_per_forward']:>8.2f} {s['score']:>6.3f}")
-        fixed = [s["tokens_per_s"] for label, s in row.items() if label != "adaptive"]
-        # the issue's own comparison is with the fixed taus (tau = 1.0 and the fixed tau < 1); the lossless
-        # settings are fixed settings a user could run too, so "best fixed" counts them
-        fixed_taus = [s["tokens_per_s"] for label, s in row.items() if label.startswith("tau=")]
-        adaptive = row["adaptive"]["tokens_per_s"]
-        print(f"{'':<28} adaptive / best fixed {adaptive / max(fixed):.3f}x (/ best fixed tau "
-              f"{adaptive / max(fixed_taus):.3f}x), / tau=1.0 {adaptive / fixed[0]:.3f}x")
-        chosen = row["adaptive"]["policy_steps"]
-        if chosen:
-            total = sum(chosen.values())
-            print(f"{'':<28} adaptive's steps by arm: "
-                  + ", ".join(f"{arm} {n / total:.0%}" for arm, n in sorted(chosen.items(), key=lambda kv: -kv[1])))
+        rounds = {label: s["rounds_tokens_per_s"] for label, s in row.items()}
+        fixed = [label for label in rounds if not label.startswith("adaptive")]
+        print(f"{'':<28} rounds' tok/s: " + ", ".join(f"{label} {min(r):.0f}-{max(r):.0f}"
+                                                     for label, r in rounds.items()))
+        for label in (label for label in rounds if label.startswith("adaptive")):
+            # within each round, against the best fixed setting of that round and against tau = 1.0
+            vs_best = [rounds[label][k] / max(rounds[f][k] for f in fixed) for k in range(args.repeats)]
+            vs_ar = [rounds[label][k] / rounds["tau=1.0 fixed"][k] for k in range(args.repeats)]
+            row[label]["vs_best_fixed"], row[label]["vs_tau_1"] = vs_best, vs_ar
+            print(f"{'':<28} {label} / best fixed: median {statistics.median(vs_best):.3f}x "
+                  f"(rounds {min(vs_best):.3f}-{max(vs_best):.3f}); / tau=1.0: median "
+                  f"{statistics.median(vs_ar):.2f}x (rounds {min(vs_ar):.2f}-{max(vs_ar):.2f})")
+            chosen = row[label]["policy_steps"]
+            if chosen:
+                total = sum(chosen.values())
+                print(f"{'':<28} {label}'s steps: " + ", ".join(
+                    f"{setting} {n / total:.0%}" for setting, n in sorted(chosen.items(), key=lambda kv: -kv[1])))
         shares = {label: s["joining_share"] for label, s in row.items()}
         if None not in shares.values():  # prefill beside decoding: a cost every setting pays, per request
             print(f"{'':<28} step time in steps with joining prompts: "
                   + ", ".join(f"{label} {share:.0%}" for label, share in shares.items()))
-        if args.repeats > 1:  # the comparison within each round, where the settings ran back to back
-            rounds = {label: s["rounds_tokens_per_s"] for label, s in row.items()}
-            per_round = [rounds["adaptive"][k] / max(r[k] for label, r in rounds.items() if label != "adaptive")
-                         for k in range(args.repeats)]
-            print(f"{'':<28} adaptive / best fixed in each round: {', '.join(f'{x:.3f}' for x in per_round)} "
-                  f"(median {statistics.median(per_round):.3f}x)")
-            row["adaptive"]["per_round_vs_best_fixed"] = per_round
-            # The best of four noisy cells in each round beats any one fixed setting's own cell by the noise's
-            # order statistics (two tied settings at 5% noise: ~3%). Picking the setting once, by its median
-            # over the rounds, leaves less of that bias (some remains: the pick is made on the same rounds).
-            best = max((label for label in rounds if label != "adaptive"), key=lambda label: row[label]["tokens_per_s"])
-            paired = [a / b for a, b in zip(rounds["adaptive"], rounds[best])]
-            print(f"{'':<28} adaptive / {best} (best by median) in each round: "
-                  f"{', '.join(f'{x:.3f}' for x in paired)} (median {statistics.median(paired):.3f}x)")
-            row["adaptive"]["per_round_vs_best_setting"] = {"setting": best, "ratios": paired}
-        if args.repeats > 1:  # the spread: how far apart the rounds of one setting were
-            spread = ", ".join(f"{label} {min(s['rounds_tokens_per_s']):.0f}-{max(s['rounds_tokens_per_s']):.0f}"
-                               for label, s in row.items())
-            print(f"{'':<28} rounds' tok/s: {spread}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "table": table}, indent=2))
     return 0

@@ -25,14 +25,17 @@ import torch
 from conftest import tiny_model
 
 from mars.core.digest import sha256_tree
-from mars.decoding.loop import CachedBatch, DecodeRow, encode_prompts, generate
+from mars.decoding.batch import CachedBatch, DecodeRow
+from mars.decoding.generate import encode_prompts, generate
 from mars.decoding.sampling import Sampler, SamplingParams, filtered_probs
+from mars.decoding.setting import Setting
 from mars.decoding.torch_backend import TorchBackend
 from mars.release.promote import promote
 from mars.release.store import open_store
 from mars.serving.config import ServeConfig
 from mars.serving.served_model import chat_head
 from mars.serving.server import build, make_server
+from mars.serving.tau_policy import PolicyConfig
 
 B = 4
 NAME = "mars"
@@ -334,7 +337,7 @@ def test_sampling_at_tau_one_follows_the_ar_distribution(release):
         model.lm_head.weight.mul_(3)  # spread over a dozen tokens or so
     prompt, n, temperature = [5, 9, 2, 7], 3000, 0.9
     batch = CachedBatch(TorchBackend(model), block_size=B, stop_ids=torch.tensor([], dtype=torch.long), mask_id=39)
-    rows = [DecodeRow(prompt, 2, tau=1.0, sampler=Sampler(SamplingParams(temperature, seed=s))) for s in range(n)]
+    rows = [DecodeRow(prompt, 2, Setting(), sampler=Sampler(SamplingParams(temperature, seed=s))) for s in range(n)]
     samples = []
     for start in range(0, n, 500):
         batch.add(rows[start:start + 500])
@@ -377,9 +380,9 @@ def test_rows_joining_a_running_batch_decode_as_they_would_alone():
     model.generation_config.eos_token_id = 63
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4)]
-    settings = [(1.0, False), (0.5, False), (0.9, True), (0.3, False), (0.7, False), (1.0, True)]
+    settings = [(1.0, False), (0.5, False), (1.0, True), (0.3, False), (0.7, False), (1.0, True)]
     rooms = [2, 30, 20, 25, 12, 18]  # row 0 is done after step 1: the first row joining at step 2 takes its place
-    rows = [DecodeRow(p, r, tau, lossless, key=i) for i, (p, r, (tau, lossless)) in
+    rows = [DecodeRow(p, r, Setting(tau=tau, lossless=lossless), key=i) for i, (p, r, (tau, lossless)) in
             enumerate(zip(prompts, rooms, settings))]
     batch = CachedBatch(TorchBackend(model), block_size=B, stop_ids=torch.tensor([63]), mask_id=95)
     out, step = {}, 0
@@ -411,14 +414,14 @@ def test_a_row_moved_between_the_lossless_mode_and_tau_one_stays_greedy_and_drop
             return super().forward(window, positions, read)
 
     batch = CachedBatch(Spy(model), block_size=B, stop_ids=torch.tensor([], dtype=torch.long), mask_id=95)
-    flipped = DecodeRow(prompts[0], 24, tau=1.0, lossless=True, key="flipped")
-    other = DecodeRow(prompts[1], 12, tau=0.5, key="other")  # reads masks: the batch's windows are B wide
+    flipped = DecodeRow(prompts[0], 24, Setting(lossless=True), key="flipped")
+    other = DecodeRow(prompts[1], 12, Setting(tau=0.5), key="other")  # reads masks: the batch's windows are B wide
     batch.add([flipped, other])
     out, step, checked = {}, 0, 0
     while len(batch):
         k = batch.rows.index(flipped)  # 0: the first row added (a finished one leaves from behind it)
-        leaving = flipped.lossless and int(batch.drafts[k]) > 0 and other in batch.live
-        flipped.lossless = not flipped.lossless
+        leaving = flipped.setting.lossless and int(batch.drafts[k]) > 0 and other in batch.live
+        flipped.setting = Setting(lossless=not flipped.setting.lossless)
         u = int(batch.length[k] - batch.cached[k])  # its real tokens not in the cache yet
         out.update({r.row.key: r.token_ids for r in batch.step() if r.done})
         if leaving:
@@ -432,34 +435,34 @@ def test_a_row_moved_between_the_lossless_mode_and_tau_one_stays_greedy_and_drop
     assert out["flipped"] == generate(model, None, [prompts[0]], tau=1.0, max_new_tokens=24)[0].token_ids
 
 
-def test_a_rows_first_step_at_a_new_arm_is_not_counted_as_the_arms_yield():
-    """After a move into the lossless mode (no drafts yet), to another lossless width (a narrowed row
-    verifies the B - 1 drafts it has, a widened one its one) or out of it to a tau (a cache holding every
-    verified draft), a row's first step yields what its old arm left it: the engine hands the policy no
-    tokens/forward for it, and every other step's tokens."""
+def test_a_rows_first_step_in_a_new_setting_is_not_counted_as_the_settings_yield():
+    """After a move into the lossless mode (no drafts yet), to another lossless width or out of it (a cache
+    holding every verified draft), a row's first step yields what its old setting left it: the engine hands
+    the policy no yield for it, and marks the step unclean (its cost is not the setting's either)."""
     import asyncio
     import itertools
 
     from mars.serving.engine import Engine, GenerationRequest
     from mars.serving.served_model import ServedModel
-    from mars.serving.tau_policy import LOSSLESS, narrow_lossless
+    from mars.serving.tau_policy import PolicySnapshot
 
     model = confident_model()
-    narrow = narrow_lossless(2)
-    script = [LOSSLESS, LOSSLESS, narrow, narrow, narrow, LOSSLESS, LOSSLESS, 1.0, 1.0, LOSSLESS, LOSSLESS, 0.5, 0.5]
+    lossless, narrow = Setting(lossless=True), Setting(lossless=True, width=2)
+    script = [lossless, lossless, narrow, narrow, narrow, lossless, lossless, Setting(), Setting(), lossless,
+              lossless, Setting(tau=0.5), Setting(tau=0.5)]
 
-    class Scripted:  # the engine's side of the policy contract, on a fixed sequence of arms
-        name, tau = "scripted", 1.0
+    class Scripted:  # the engine's side of the policy contract, on a fixed sequence of settings
+        snapshot = PolicySnapshot(Setting())
 
         def __init__(self):
-            self.arms, self.seen = itertools.cycle(script), []
+            self.settings, self.seen = itertools.cycle(script), []
 
-        def choose(self, fixed_taus, policy_rows, block_size, lossless_rows=0, greedy=True):
-            self.arm = next(self.arms)
-            return self.arm
+        def choose(self, rows, named=(), greedy=True):
+            self.setting = next(self.settings)
+            return self.setting
 
-        def observe(self, batch, slots, seconds, accepted, prompt_tokens=0):
-            self.seen.append((self.arm, accepted))
+        def observe(self, step):
+            self.seen.append((self.setting, step))
 
     policy = Scripted()
     served = ServedModel("m", None, lambda: TorchBackend(model), B, 95, [], None, 1.0, 1.0)
@@ -473,9 +476,10 @@ def test_a_rows_first_step_at_a_new_arm_is_not_counted_as_the_arms_yield():
     engine.close()
     steps = [len(e) for e in events if isinstance(e, list)]
     assert len(policy.seen) == len(steps) > len(script) and sum(steps) == 60
-    for k, ((arm, accepted), tokens) in enumerate(zip(policy.seen, steps)):
-        moved = k > 0 and arm != policy.seen[k - 1][0]
-        assert accepted == ({} if moved else {arm: (tokens, 1)}), (k, arm)
+    for k, ((setting, step), tokens) in enumerate(zip(policy.seen, steps)):
+        moved = k == 0 or setting != policy.seen[k - 1][0]  # the first step is also the prompt's
+        assert step.yields == ([] if moved else [(setting, tokens)]), (k, setting)
+        assert step.clean == (not moved) and step.rows == 1 and step.slots == setting.slots(B)
 
 
 def test_engines_side_by_side_are_stepped_by_one_thread_and_each_drains_on_close():
@@ -487,14 +491,14 @@ def test_engines_side_by_side_are_stepped_by_one_thread_and_each_drains_on_close
 
     from mars.serving.engine import Engine, Finished, GenerationRequest
     from mars.serving.served_model import ServedModel
-    from mars.serving.tau_policy import FixedTau, TauRange
+    from mars.serving.tau_policy import FixedPolicy
 
     model = confident_model()
     prompts = [list(range(3, 9)), list(range(20, 24)), list(range(40, 47))]
 
-    class Watched(FixedTau):  # the fixed policy, noting the thread each step runs on
+    class Watched(FixedPolicy):  # the fixed policy, noting the thread each step runs on
         def __init__(self):
-            super().__init__(TauRange(1.0, 1.0))
+            super().__init__(Setting())
             self.threads = set()
 
         def observe(self, *args, **kwargs):
@@ -636,30 +640,42 @@ def test_hot_swap_under_load_loses_no_request_and_a_bad_release_keeps_the_old(tm
         live.stop()
 
 
-def test_adaptive_server_decodes_unnamed_taus_between_the_floor_and_one(release, tmp_path):
-    adaptive = Running(release, tmp_path / "cache", tau_policy="adaptive", max_batch=8)
+def test_the_default_policy_decodes_unnamed_requests_greedily_and_named_ones_as_named(release, tmp_path):
+    """`mars serve`'s default policy (adaptive, no floor) chooses among tau = 1 and the lossless mode at B and at
+    width 2: every request that names no tau gets the greedy tokens, whatever setting its steps ran at."""
+    adaptive = Running(release, tmp_path / "cache", max_batch=8, policy=PolicyConfig(decide_every=2, explore_every=8))
     try:
         with ThreadPoolExecutor(8) as pool:
             outs = list(pool.map(lambda i: chat(adaptive, PROMPTS[i % 4], temperature=0, max_tokens=32), range(16)))
         named = chat(adaptive, PROMPTS[0], temperature=0, max_tokens=16, tau=0.3)
         assert named.usage.tau == pytest.approx(0.3)  # a request that names its tau keeps it
-        assert all(0.5 - 1e-9 <= o.usage.tau <= 1.0 for o in outs)
-        assert len({round(o.usage.tau, 6) for o in outs}) > 1  # the policy tried more than one tau
-        assert any(o.usage.lossless_steps for o in outs)  # and the lossless mode (explored first)
-        for i, o in enumerate(outs):  # only tau = 1.0 and lossless steps: greedy output
-            if o.usage.tau == 1.0:
-                assert o.choices[0].message.content == alone(release, PROMPTS[i % 4], 1.0, 32).text
+        assert all(o.usage.tau == 1.0 for o in outs)
+        assert any(o.usage.lossless_steps for o in outs)
+        for i, o in enumerate(outs):
+            assert o.choices[0].message.content == alone(release, PROMPTS[i % 4], 1.0, 32).text
         text = httpx.get(adaptive.url + "/metrics").text
-        assert 'window="1"' in text and f'window="{B}"' in text  # it measured both windows
-        assert "mars_prompt_token_cost_seconds{" in text  # and what joining prompts cost beside them
-        assert 0.5 <= adaptive.metric("mars_tau_in_use") <= 1.0
-        by_arm = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith("mars_policy_steps_total{")}  # where the policy spent its steps
-        # its candidates: the floor, 1.0 and the lossless mode, at B and at block size 2 (unmeasured: tried first)
-        assert {"lossless", "lossless:2", "0.5", "1"} <= set(by_arm)
-        assert sum(by_arm.values()) <= adaptive.metric("mars_decoding_steps_total")
+        assert 'window="1"' in text and f'window="{2 * B - 1}"' in text  # it measured tau = 1 and lossless at B
+        by_setting = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("mars_policy_steps_total{")}  # where the policy spent its steps
+        assert set(by_setting) == {"lossless", "lossless:w=2", "tau=1"}  # unmeasured candidates are tried first
+        assert sum(by_setting.values()) <= adaptive.metric("mars_decoding_steps_total")
+        assert adaptive.metric("mars_tau_in_use") == 1.0
+        assert 'mars_tokens_per_forward{setting="lossless"}' in text
     finally:
         adaptive.stop()
+
+
+def test_a_floor_makes_a_lossy_tau_a_candidate_of_the_policy(release, tmp_path):
+    floored = Running(release, tmp_path / "cache", max_batch=4,
+                      policy=PolicyConfig(tau_floor="release", decide_every=2, explore_every=8))
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda i: chat(floored, PROMPTS[i % 4], temperature=0, max_tokens=32), range(8)))
+        floor = floored.built.serving.current.model.tau_floor
+        assert floor == 0.5 and any(o.usage.tau < 1.0 for o in outs)  # the release's floor was tried
+        assert all(floor - 1e-9 <= o.usage.tau <= 1.0 for o in outs)
+    finally:
+        floored.stop()
 
 
 def test_the_release_floor_is_the_gates_passed_speed_tau():

@@ -8,6 +8,23 @@ import logging
 import os
 
 from mars.cli.options import add_params_arguments, add_store_argument, params_from_args, store_config
+from mars.errors import MarsError
+
+
+def _floor(text: str) -> float | str:
+    if text == "release":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a tau in (0, 1] or 'release'") from None
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(w) for w in text.split(",") if w.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of widths") from None
 
 
 def _parser(verb: str):
@@ -16,7 +33,8 @@ def _parser(verb: str):
     d = ServeConfig()
     parser = argparse.ArgumentParser(
         prog=f"mars {verb}", description="Serve a MARS release or checkpoint over an OpenAI-compatible HTTP API "
-        "(continuous batching; tau per request and, with --tau-policy adaptive, under load).")
+        "(continuous batching; a tau or mode per request, and for the rest the setting with the most measured "
+        "tokens/s).")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--release", metavar="NAME", help="serve the release a stage of the store points to "
                                                          "(pulled and verified into --cache)")
@@ -25,15 +43,28 @@ def _parser(verb: str):
     parser.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "mars", "releases"),
                         help="where pulled releases are kept (default: ~/.cache/mars/releases)")
     parser.add_argument("--name", help="--model: the model id requests name (default: the directory's name)")
-    parser.add_argument("--tau", type=float, help="--model: the default tau (default: decode.tau's default, 0.9)")
-    parser.add_argument("--tau-floor", type=float, help="--model: the adaptive policy's lowest tau (default: --tau)")
-    parser.add_argument("--tau-policy", choices=("fixed", "adaptive"), default=d.tau_policy,
-                        help="tau of requests that name none: the release's default, or the goodput-driven choice "
-                             f"between the gate's floor and 1.0 (default: {d.tau_policy})")
-    parser.add_argument("--adaptive-lossless", action=argparse.BooleanOptionalAction, default=d.adaptive_lossless,
-                        help="the adaptive policy may decode greedy requests in the lossless mode (tau = 1.0's output, "
-                             "drafts verified), at the checkpoint's block size or at 2, where that gives more "
-                             "tokens/s (default: on)")
+    parser.add_argument("--tau", type=float, help="--model: the default tau (default: decode.tau's default, 0.9); "
+                                                   "--tau-policy fixed serves it")
+    policy = parser.add_argument_group("tau policy", "the setting of requests that name no tau or mode")
+    p = d.policy
+    policy.add_argument("--tau-policy", choices=("fixed", "adaptive"), default=p.kind,
+                        help="adaptive: the setting with the most measured tokens/s among tau = 1 and the lossless "
+                             "mode (greedy output), and the --tau-floor where one is named; fixed: the default tau "
+                             f"(default: {p.kind})")
+    policy.add_argument("--tau-floor", type=_floor, default=p.tau_floor, metavar="TAU|release",
+                        help="adaptive: also consider this lossy tau < 1 ('release': the floor the release's gate "
+                             "accepted); default: none, the output stays greedy")
+    policy.add_argument("--lossless-widths", type=_widths, default=p.lossless_widths, metavar="W[,W...]",
+                        help="adaptive: lossless widths below the checkpoint's block size to consider, '' for none "
+                             f"(default: {','.join(map(str, p.lossless_widths))})")
+    policy.add_argument("--decide-every", type=int, default=p.decide_every,
+                        help=f"adaptive: steps between decisions, and an exploration's length (default: {p.decide_every})")
+    policy.add_argument("--switch-margin", type=float, default=p.switch_margin,
+                        help="adaptive: the predicted gain a setting needs to replace the one in use "
+                             f"(default: {p.switch_margin:g})")
+    policy.add_argument("--explore-every", type=int, default=p.explore_every,
+                        help="adaptive: steps between re-measuring the setting measured longest ago "
+                             f"(default: {p.explore_every})")
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=d.prefix_cache,
                         help="compute the chat template's head (its default system turn and the user header, which "
                              "every chat prompt starts with) once and copy it into each joining request instead of "
@@ -66,16 +97,22 @@ def _parser(verb: str):
 def main(argv: list[str], verb: str = "serve") -> int:
     parser = _parser(verb)
     args = parser.parse_args(argv)
-    if args.release and (args.tau is not None or args.tau_floor is not None or args.name):
-        parser.error("--name, --tau and --tau-floor go with --model (a release brings its name, tau and floor)")
+    if args.release and (args.tau is not None or args.name):
+        parser.error("--name and --tau go with --model (a release brings its name and tau)")
     from mars.serving.config import ServeConfig
     from mars.serving.server import build, serve
+    from mars.serving.tau_policy import PolicyConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        policy = PolicyConfig(kind=args.tau_policy, tau_floor=args.tau_floor, lossless_widths=args.lossless_widths,
+                              decide_every=args.decide_every, switch_margin=args.switch_margin,
+                              explore_every=args.explore_every)
+    except MarsError as err:
+        parser.error(str(err))
     cfg = ServeConfig(host=args.host, port=args.port, backend=args.backend, device=args.device, dtype=args.dtype,
-                      threads=args.threads,
-                      max_batch=args.max_batch, max_queue=args.max_queue, tau_policy=args.tau_policy,
-                      adaptive_lossless=args.adaptive_lossless, prefix_cache=args.prefix_cache,
+                      threads=args.threads, max_batch=args.max_batch, max_queue=args.max_queue, policy=policy,
+                      prefix_cache=args.prefix_cache,
                       max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
                       poll_seconds=args.poll_seconds, drain_seconds=args.drain_seconds)
     api_key = args.api_key or os.environ.get("MARS_API_KEY") or None
@@ -86,7 +123,6 @@ def main(argv: list[str], verb: str = "serve") -> int:
         built = build(cfg, release=args.release, stage=args.stage or store_cfg.stage, store=open_store(store_cfg),
                       cache=args.cache, api_key=api_key)
     else:
-        built = build(cfg, model_dir=args.model, name=args.name, tau=args.tau, tau_floor=args.tau_floor,
-                      api_key=api_key)
+        built = build(cfg, model_dir=args.model, name=args.name, tau=args.tau, api_key=api_key)
     serve(built, cfg, log_level=args.log_level)
     return 0

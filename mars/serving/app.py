@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mars.decoding.generate import encode_prompts
 from mars.decoding.sampling import SamplingParams
+from mars.decoding.setting import Setting
 from mars.errors import MarsError
 from mars.serving.engine import Closed, Engine, Finished, GenerationRequest, QueueFull
 from mars.serving.metrics import ServerMetrics
@@ -146,7 +147,11 @@ def _generation_request(req, engine: Engine, limits: Limits) -> GenerationReques
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
     except MarsError as err:
         raise APIError(400, str(err), str(err).split(":")[0]) from None
-    return GenerationRequest(ids, room, tau=req.tau, mode=req.mode, sampling=sampling, stop=req.stop_list(),
+    if req.mode == "lossless":
+        setting = Setting(lossless=True, width=req.block_size)
+    else:
+        setting = None if req.tau is None else Setting(tau=req.tau, width=req.block_size)
+    return GenerationRequest(ids, room, setting=setting, sampling=sampling, stop=req.stop_list(),
                              block_size=req.block_size)
 
 
@@ -187,7 +192,9 @@ def create_app(serving: Serving) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(serving.metrics.render(serving.queue_depth(), serving.running()),
+        engine = serving.current
+        return Response(serving.metrics.render(serving.queue_depth(), serving.running(), engine.policy,
+                                               engine.model.block_size),
                         media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

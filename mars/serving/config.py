@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from mars.errors import ConfigError
+from mars.serving.tau_policy import PolicyConfig
 
 
 @dataclass(frozen=True)
@@ -18,8 +19,7 @@ class ServeConfig:
     threads: int | None = None  # torch CPU threads (None: torch's default, every core)
     max_batch: int = 16  # rows decoding at once
     max_queue: int = 64  # requests waiting for a row; beyond: 429
-    tau_policy: Literal["fixed", "adaptive"] = "fixed"
-    adaptive_lossless: bool = True  # adaptive: greedy rows may decode in the lossless mode (tau = 1.0's output)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # the setting of requests that name none
     prefix_cache: bool = True  # the chat template's head (system turn) is computed once, not per request
     max_tokens: int = 2048  # the most a request may ask for
     default_max_tokens: int = 128
@@ -40,5 +40,3 @@ class ServeConfig:
             raise ConfigError("poll_seconds, drain_seconds: must be >= 0")
         if self.backend not in ("torch", "onnx"):
             raise ConfigError(f"backend: must be torch or onnx, got {self.backend!r}")
-        if self.tau_policy not in ("fixed", "adaptive"):
-            raise ConfigError(f"tau_policy: must be fixed or adaptive, got {self.tau_policy!r}")

@@ -1,11 +1,11 @@
 """The serving engine: one model, its batch stepped by the process's step thread, requests joining at the next step.
 
-Continuous batching at the level of decoding steps (:class:`mars.decoding.loop.CachedBatch`, the same
-core :func:`mars.decoding.loop.generate` drives): before every step the engine moves waiting requests
-into the batch (up to ``max_batch`` rows), sets the tau of rows that did not name one (the tau policy,
-:mod:`mars.serving.tau_policy`), runs one step and hands each request the tokens it accepted. A request
-leaves the batch when it stops (a stop token or string) or reaches its token budget. Each row keeps its
-own tau, mode and sampler.
+Continuous batching at the level of decoding steps (:class:`mars.decoding.batch.CachedBatch`, the same
+core :func:`mars.decoding.generate.generate` drives): before every step the engine moves waiting requests
+into the batch (up to ``max_batch`` rows), gives the rows that named no setting the tau policy's
+(:mod:`mars.serving.tau_policy`), runs one step, hands each request the tokens it accepted and tells the
+policy what the step cost and yielded. A request leaves the batch when it stops (a stop token or string)
+or reaches its token budget. Each row carries its own :class:`~mars.decoding.setting.Setting` and sampler.
 
 At most ``max_queue`` requests wait; :meth:`Engine.submit` refuses more (:class:`QueueFull`, the HTTP
 layer answers 429) instead of letting the queue grow without bound. :meth:`Engine.close` stops taking
@@ -19,18 +19,19 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
 
-from mars.decoding.loop import CachedBatch, DecodeRow
+from mars.decoding.batch import CachedBatch, DecodeRow
 from mars.decoding.sampling import Sampler, SamplingParams
+from mars.decoding.setting import GREEDY, Setting
 from mars.decoding.stop_strings import StopStrings
 from mars.errors import MarsError
 from mars.serving.served_model import ServedModel
 from mars.serving.step_thread import StepThread
-from mars.serving.tau_policy import arm_block_size, arm_of, is_lossless
+from mars.serving.tau_policy import StepRecord
 
 log = logging.getLogger("mars.serve")
 
@@ -47,11 +48,10 @@ class Closed(MarsError):
 class GenerationRequest:
     prompt_ids: list[int]
     max_tokens: int  # already capped by the context
-    tau: float | None = None  # None: the tau policy's
-    mode: str = "tau"
+    setting: Setting | None = None  # None: the tau policy's
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: Sequence[str] = ()
-    block_size: int | None = None  # at most this many tokens per forward (<= the checkpoint's B)
+    block_size: int | None = None  # a cap on the policy's width: at most this many tokens per forward
 
 
 @dataclass
@@ -86,10 +86,8 @@ class RequestHandle:
 
 
 def deliver(items: list[tuple[RequestHandle, object]]) -> None:
-    """Hand a step's items to their requests with one wake-up of each event loop, not one per item. A wake-up
-    is a write to the loop's self-pipe and then the GIL back from the loop's thread: at one stream on the
-    default profile's toy it took 13% of the engine thread's time, and per row at 16 streams (one per
-    item: 3638-3704 tokens/s, lossless fixed; one per step: 3856-3983)."""
+    """Hand a step's items to their requests with one wake-up of each event loop, not one per item: a wake-up
+    (the loop's self-pipe, then the GIL back from the loop's thread) is a real share of a small model's step."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
     for handle, item in items:
         by_loop.setdefault(handle.loop, []).append((handle.queue, item))
@@ -113,7 +111,7 @@ class Engine:
         self.batch = self._new_batch()
         self.waiting: deque[tuple[DecodeRow, RequestHandle]] = deque()
         self.handles: dict[int, RequestHandle] = {}  # id(row) -> handle, rows in the batch
-        self._arm_before: dict[int, object] = {}  # id(row) -> the arm it decoded at in the last step
+        self._setting_before: dict[int, Setting] = {}  # id(row) -> the setting of its last step
         self.accepting, self.stopping = True, False
         self.finished = threading.Event()  # closed, and nothing left to step
         stepper = StepThread.shared()  # one thread steps every engine of the process (see step_thread)
@@ -136,11 +134,10 @@ class Engine:
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> RequestHandle:
         sampler = None if request.sampling.greedy else Sampler(request.sampling)
         stops = StopStrings(self.model.tokenizer, list(request.stop)) or None
-        tau = self.policy.tau if request.tau is None else request.tau
-        # key: whether the policy sets its tau (and, for a greedy row, may choose the lossless mode)
-        policy_row = request.tau is None and request.mode != "lossless"
-        row = DecodeRow(request.prompt_ids, request.max_tokens, tau, request.mode == "lossless", sampler, stops,
-                        stream=True, key=policy_row, block_size=request.block_size)
+        # key: the request, whose setting (None: the policy's) and width cap the step reads
+        setting = request.setting or (GREEDY if sampler else self.policy.snapshot.setting)  # lossless is greedy
+        row = DecodeRow(request.prompt_ids, request.max_tokens, setting, sampler=sampler, stop_strings=stops,
+                        stream=True, key=request)
         handle = RequestHandle(request, loop, row)
         with self.cv:
             if not self.accepting:
@@ -202,21 +199,21 @@ class Engine:
         batch, b_size = self.batch, self.model.block_size or 1
         hits = batch.prefix_hits
         batch.add(joining)
-        hits = batch.prefix_hits - hits
+        copied = (batch.prefix_hits - hits) * len(batch.prefix)  # prompt tokens the prefix cache filled in
         live = batch.live
-        policy_rows = [r for r in live if r.key]
-        arm = None
+        policy_rows = [r for r in live if r.key.setting is None]
+        chosen = None
         if policy_rows:
-            fixed = [r.tau for r in live if not r.key and not r.lossless]
-            named_lossless = sum(1 for r in live if not r.key and r.lossless)
-            arm = self.policy.choose(fixed, len(policy_rows), b_size, named_lossless,
-                                     greedy=all(r.sampler is None for r in policy_rows))
-            for r in policy_rows:  # a narrow lossless arm narrows a row; a row's own block size stays its cap
-                named = self.handles[id(r)].request.block_size
-                if is_lossless(arm):
-                    r.lossless, r.tau, r.block_size = True, 1.0, min(arm_block_size(arm, b_size), named or b_size)
-                else:
-                    r.lossless, r.tau, r.block_size = False, arm, named
+            chosen = self.policy.choose(len(live), [r.setting for r in live if r.key.setting is not None],
+                                        greedy=all(r.sampler is None for r in policy_rows))
+            for r in policy_rows:  # a request's own block size caps the policy's width
+                cap = r.key.block_size
+                narrowed = cap is not None and chosen.needs_masks(b_size) and chosen.at(b_size) > cap
+                r.setting = replace(chosen, width=cap) if narrowed else chosen
+        moved = False
+        before, self._setting_before = self._setting_before, {}
+        for r in live:
+            moved |= before.get(id(r), r.setting) != r.setting
         rows = len(batch)
         updates = batch.step()
         out: list[tuple[RequestHandle, object]] = []
@@ -224,8 +221,8 @@ class Engine:
             handle = self.handles.pop(id(u.row), None) if u.done else self.handles.get(id(u.row))
             if handle is None:  # failed by close(drain=False) meanwhile
                 continue
-            handle.taus.append(u.row.tau)
-            handle.lossless_steps += u.row.lossless
+            handle.taus.append(u.row.setting.tau)
+            handle.lossless_steps += u.row.setting.lossless
             if u.new_tokens:
                 out.append((handle, u.new_tokens))
             if u.done:
@@ -233,29 +230,19 @@ class Engine:
                                              handle.lossless_steps)))
         deliver(out)
         seconds = time.perf_counter() - started
-        slots = batch.last_slots  # the step's cost class: its widest row's (1, w, or 2w-1 in the lossless mode)
-        accepted: dict = {}
-        before, self._arm_before = self._arm_before, {}
+        # A row's first step in a new setting yields what its old one left it (no drafts yet, or a cache of
+        # verified drafts), so only its later steps count toward the setting's tokens.
+        yields = []
         for u in updates:
-            row_arm = arm_of(u.row.tau, u.row.lossless, u.row.block_size, b_size)
+            if before.get(id(u.row)) == u.row.setting:
+                yields.append((u.row.setting, len(u.new_tokens)))
             if not u.done:
-                self._arm_before[id(u.row)] = row_arm
-            # A row's first step at a new arm yields what its old arm left it, a cost or a gain of the move,
-            # not the arm's yield: into the lossless mode, no drafts (a step of one token); to another lossless
-            # width, the old width's drafts (a narrowed row verifies all of them, a widened one its one); out
-            # of it, a cache holding every verified draft (on the default profile's toy at one row, tau = 0.9's
-            # first step after the lossless mode yielded 2.39 tokens against 2.07 at its later steps).
-            if before.get(id(u.row), row_arm) != row_arm:
-                continue
-            entry = accepted.setdefault(row_arm, [0, 0])
-            entry[0], entry[1] = entry[0] + len(u.new_tokens), entry[1] + 1
-        copied = hits * len(batch.prefix)  # prompt tokens the prefix cache filled in
-        # a joining row's first window is its prompt (less the prefix copied in): the policy weighs it apart
-        prompt_tokens = sum(len(r.prompt) for r in joining) - copied
-        self.policy.observe(rows, slots, seconds, {t: tuple(v) for t, v in accepted.items()}, prompt_tokens)
+                self._setting_before[id(u.row)] = u.row.setting
+        self.policy.observe(StepRecord(rows, batch.last_slots, seconds, clean=not joining and not moved,
+                                       yields=yields))
         if self.metrics is not None:
-            self.metrics.step(rows, slots, seconds, not joining, sum(len(u.new_tokens) for u in updates),
-                              self.policy, self.queue_depth, arm, prefix_tokens=copied)
+            self.metrics.step(seconds, not joining, sum(len(u.new_tokens) for u in updates), self.queue_depth,
+                              chosen.label(b_size) if chosen is not None else None, prefix_tokens=copied)
 
     def _fail_all(self, error: Exception, waiting: bool = True) -> None:
         failed = list(self.handles.values()) + ([handle for _, handle in self.waiting] if waiting else [])

@@ -3,7 +3,7 @@
 A release (``mars pull`` layout, :mod:`mars.release.promote`) brings its default tau (``tau``) and the
 tau floor its gate accepted (``tau_floor``, the lowest tau whose score loss the gate measured and
 passed; a release without one has no tau below its default vouched for). The adaptive tau policy
-(:mod:`mars.serving.tau_policy`) moves between the floor and the gate's lossless tau (1.0).
+(:mod:`mars.serving.tau_policy`) may use that floor when the operator opts in (``--tau-floor release``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ class ServedModel:
     context: int | None  # positions a sequence may fill (prompt + generated)
     default_tau: float
     tau_floor: float
-    tau_ceiling: float = 1.0  # the gate's tau: quality equal to the AR baseline
     max_rows: int | None = None  # rows the backend holds at most (an export's fixed batch)
     version: str | None = None  # the release version; None for a checkpoint directory
     source: str = ""

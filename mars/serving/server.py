@@ -21,14 +21,14 @@ from mars.serving.engine import Engine
 from mars.serving.metrics import ServerMetrics
 from mars.serving.release_watch import ReleaseWatch, fetch_release
 from mars.serving.served_model import ServedModel, load_checkpoint, load_release
-from mars.serving.tau_policy import TauRange, make_policy
+from mars.serving.tau_policy import make_policy
 
 log = logging.getLogger("mars.serve")
 
 
 def start_engine(model: ServedModel, cfg: ServeConfig, metrics: ServerMetrics) -> Engine:
-    policy = make_policy(cfg.tau_policy, TauRange(model.default_tau, model.tau_floor, model.tau_ceiling),
-                         lossless=cfg.adaptive_lossless and (model.block_size or 1) > 1)
+    policy = make_policy(cfg.policy, block_size=model.block_size or 1, default_tau=model.default_tau,
+                         release_floor=model.tau_floor)
     return Engine(model, policy, max_batch=cfg.max_batch, max_queue=cfg.max_queue, metrics=metrics,
                   prefix=model.prompt_head if cfg.prefix_cache else ())
 
@@ -41,7 +41,7 @@ class Built:
 
 def build(cfg: ServeConfig, *, release: str | None = None, stage: str = "prod", store=None,
           cache: str | Path | None = None, model_dir: str | Path | None = None, name: str | None = None,
-          tau: float | None = None, tau_floor: float | None = None, api_key: str | None = None) -> Built:
+          tau: float | None = None, api_key: str | None = None) -> Built:
     """The serving state for a release at a stage of ``store`` (pulled into ``cache``) or a checkpoint."""
     if cfg.threads is not None:
         import torch
@@ -53,11 +53,11 @@ def build(cfg: ServeConfig, *, release: str | None = None, stage: str = "prod", 
         directory, _ = fetch_release(store, release, stage, cache)
         model = load_release(directory, **load)
     else:
-        from mars.decoding.loop import DecodeConfig
+        from mars.decoding.generate import DecodeConfig
 
         model_dir = Path(model_dir)
         model = load_checkpoint(model_dir, name=name or model_dir.name, default_tau=DecodeConfig.tau if tau is None
-                                else tau, tau_floor=tau_floor, export_dir=model_dir, **load)
+                                else tau, export_dir=model_dir, **load)
     log.info("serving %s", model.describe())
     serving = Serving(start_engine(model, cfg, metrics), metrics, api_key=api_key,
                       limits=Limits(max_tokens=cfg.max_tokens, default_max_tokens=cfg.default_max_tokens))
