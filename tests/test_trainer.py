@@ -22,7 +22,9 @@ from safetensors.torch import load_file
 
 from mars.errors import ConfigError, MarsError
 from mars.config import build, load_params, section
-from mars.training.trainer import SUMMARY_COLUMNS, DataOrder, TrainConfig, complete_checkpoints, shard, train
+from mars.training.checkpoints import complete_checkpoints
+from mars.training.metrics_log import SUMMARY_COLUMNS
+from mars.training.trainer import DataOrder, TrainConfig, shard, train
 
 VOCAB = 96
 SPECIALS = ["<pad>", "</s>", "<|mask|>"]

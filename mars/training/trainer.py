@@ -19,23 +19,15 @@ DeepSpeed ZeRO-2 (configs in ``infra/accelerate/``). Results do not depend on th
   forward), and scaled back by processes x micro-batches (DDP/FSDP/DeepSpeed average gradients,
   accelerate divides by the accumulation steps), so the summed gradient is the global mean.
 
-Checkpoints (``<out>/steps/step-NNNNNNNN``) hold model, optimizer, scheduler, RNG states and the
-step (which fixes the data position); they are written to a temporary folder and renamed, so a
-killed run leaves either a complete checkpoint or none. A resume loads only what the trainer wrote,
-in forms that run no code: weights through safetensors, optimizer and RNG states through
-``torch.load(weights_only=True)``, step and scheduler state as JSON (:func:`check_step_checkpoint`
-refuses anything else before it is read). The final model is a ``save_pretrained``
-folder (``<out>/final``) with the tokenizer and a ``mars`` section in its config.
+Step checkpoints (``<out>/steps``) let a killed run resume where it stopped, and the final model goes to
+``<out>/final`` (:mod:`.checkpoints`); each step is a row of the metrics TSV (:mod:`.metrics_log`).
 """
 
 from __future__ import annotations
 
-import csv
 import json
-import logging
 import math
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,21 +35,19 @@ from typing import Literal, Sequence
 
 import torch
 
-from mars.core.atomic import atomic_dir, read_json, replace_dir, write_json, write_text
+from mars.core.atomic import atomic_dir
 from mars.core.batch import DualStreamBatch, build_batch
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.core.digest import sha256_chunks
 from mars.errors import ConfigError, DataError, MarsError
 from mars.core.loss import compute_loss
+from mars.training.checkpoints import resume_from, save_final, save_step
 from mars.training.launch import LaunchConfig
+from mars.training.metrics_log import MetricsLog, step_summary, write_summary
 
 Stage = Literal["sft", "mars", "ar_control"]
 STAGES: tuple[str, ...] = ("sft", "mars", "ar_control")
 OBJECTIVE = {"sft": "ar", "mars": "mars", "ar_control": "ar"}
-STEP_PREFIX = "step-"
-STATE_FILE = "trainer_state.json"
-TORCH_STATE_SUFFIXES = (".bin", ".pkl", ".pt")  # accelerate's optimizer / RNG / grad-scaler files
-METRIC_COLUMNS = ("step", "epoch", "loss", "l_mask", "l_ar", "lr", "tokens_per_s")
 
 
 # ----------------------------------------------------------------------------------------- config
@@ -269,110 +259,6 @@ def offset_generator(seed: int, step: int, first: int, block_size: int) -> torch
     return gen
 
 
-# ------------------------------------------------------------------------------------ checkpoints
-def step_dir(out: Path, step: int) -> Path:
-    return out / "steps" / f"{STEP_PREFIX}{step:08d}"
-
-
-def complete_checkpoints(out: Path) -> list[Path]:
-    """Finished step checkpoints under ``out/steps``, oldest first (temporary folders are skipped)."""
-    root = out / "steps"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
-
-
-def resolve_resume(resume: str, out: Path) -> Path | None:
-    if resume == "no":
-        return None
-    if resume == "auto":
-        found = complete_checkpoints(out)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise MarsError(f"--resume {resume}: not a training checkpoint (no {STATE_FILE}); use no, auto or a "
-                        f"{out / 'steps'}/{STEP_PREFIX}* folder")
-    return path
-
-
-def check_step_checkpoint(ckpt: Path, state: dict) -> None:
-    """Refuse a step checkpoint that holds anything but what this trainer writes, in a form that loads
-    without running code: the state file (JSON: step, fingerprint, scheduler state), safetensors
-    weights, and torch files (optimizer state, RNG states) that load with ``weights_only=True``.
-
-    A crafted pickle (one that would run code when unpickled) fails the weights-only load here, before
-    accelerate reads anything; an unexpected file is refused whatever it holds.
-    """
-    from accelerate.utils import load as weights_only_load  # torch.load(weights_only=True) + numpy RNG arrays
-
-    refuse = f"refusing to resume from {ckpt} (--resume no starts over)"
-    if not isinstance(state.get("scheduler"), dict) or not isinstance(state.get("step"), int):
-        raise MarsError(f"{ckpt / STATE_FILE}: no step / scheduler state (written by an older trainer?); {refuse}")
-    for path in sorted(p for p in ckpt.rglob("*") if not p.is_dir()):
-        if path.name == STATE_FILE or path.suffix == ".safetensors":
-            continue
-        if path.is_symlink() or path.suffix not in TORCH_STATE_SUFFIXES:
-            raise MarsError(f"{path}: not a file this trainer writes into a step checkpoint; {refuse}")
-        try:
-            weights_only_load(path, map_location="cpu", mmap=True)
-        except Exception as err:  # UnpicklingError for a forbidden global; anything else is not ours either
-            reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-            raise MarsError(f"{path}: holds more than tensors and plain data ({reason}); {refuse}") from None
-
-
-# ------------------------------------------------------------------------------------------ metrics
-class MetricsLog:
-    """One TSV row per optimizer step (``dvc plots`` reads it); a resumed run continues it.
-
-    Resuming from step N keeps rows 1..N and drops rows a killed run logged after its last checkpoint,
-    so the file holds each step once. The file is a ``persist`` DVC output: ``dvc repro`` leaves it in
-    place for the resumed run to continue.
-    """
-
-    def __init__(self, path: Path, resume_step: int):
-        self.path = path
-        kept = []
-        if resume_step and path.is_file():
-            with path.open() as fh:
-                kept = [r for r in csv.DictReader(fh, delimiter="\t") if int(r["step"]) <= resume_step]
-        lines = ["\t".join(METRIC_COLUMNS)] + ["\t".join(r[c] for c in METRIC_COLUMNS) for r in kept]
-        write_text(path, "\n".join(lines) + "\n")
-        self.fh = path.open("a")
-
-    def write(self, row: dict) -> None:
-        self.fh.write("\t".join(_fmt(row[c]) for c in METRIC_COLUMNS) + "\n")
-        self.fh.flush()
-
-    def close(self) -> None:
-        self.fh.close()
-
-
-def _fmt(value) -> str:
-    return str(value) if isinstance(value, int) else f"{value:.6g}"
-
-
-SUMMARY_COLUMNS = ("step", "epoch", "loss", "l_mask", "l_ar", "lr")  # tokens_per_s left out: not reproducible
-
-
-def summary_path(metrics_path: Path) -> Path:
-    """``metrics/train_<stage>.json`` beside the TSV: the final step's numbers, for ``dvc metrics`` and
-    ``dvc exp show`` (which read JSON summaries, not per-step TSVs)."""
-    return Path(metrics_path).with_suffix(".json")
-
-
-def step_summary(last: dict) -> dict:
-    """The reproducible part of a logged step (its throughput left out)."""
-    return {c: last[c] for c in SUMMARY_COLUMNS if c in last}
-
-
-def write_summary(metrics_path: Path, last: dict) -> Path:
-    """The summary of a finished run whose final step logged ``last`` (empty: a run of 0 steps)."""
-    path = summary_path(metrics_path)
-    write_json(path, step_summary(last) if last else {"step": 0})
-    return path
-
-
 # ---------------------------------------------------------------------------------------- training
 @dataclass
 class TrainResult:
@@ -461,11 +347,6 @@ def _fingerprint(cfg: TrainConfig, stage: str, seed: int, init, examples: Sequen
             "train": knobs, "stage_config": asdict(cfg.stage(stage)), "mars_config": asdict(cfg.mars)}
 
 
-def _mismatch(saved: dict, now: dict) -> str:
-    diff = [k for k in now if saved.get(k) != now[k]]
-    return ", ".join(diff)
-
-
 def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[dict], out: str | Path,
           resume: str = "auto", metrics_path: str | Path | None = None, seed: int = 0,
           progress: bool = True, data_meta: dict | None = None) -> TrainResult:
@@ -523,19 +404,9 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
 
     fingerprint = _fingerprint(cfg, stage, seed, init, examples, total)
     start = 0
-    ckpt = resolve_resume(resume, out)
-    if ckpt is not None:
-        state = read_json(ckpt / STATE_FILE)
-        diff = _mismatch(state["fingerprint"], fingerprint)
-        if diff and resume != "auto":
-            raise MarsError(f"cannot resume from {ckpt}: it belongs to a run with different {diff}; "
-                            "use --resume no (or auto) to start over")
-        if diff:  # auto after a param/data change (dvc exp run -S ...): these steps are of another run
-            if main:
-                print(f"train {stage}: not resuming {ckpt} (different {diff}); starting over", file=sys.stderr)
-            ckpt = None
-    if ckpt is not None:
-        check_step_checkpoint(ckpt, state)  # before anything in it is loaded
+    resumed = resume_from(resume, out, fingerprint, stage, main)
+    if resumed is not None:
+        ckpt, state = resumed
         accelerator.load_state(str(ckpt))
         scheduler.load_state_dict(state["scheduler"])
         start = int(state["step"])
@@ -601,7 +472,7 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
                 bar.set_postfix(loss=f"{loss:.4f}", l_mask=f"{l_mask:.4f}", l_ar=f"{l_ar:.4f}",
                                 tok_s=f"{last['tokens_per_s']:.0f}", refresh=False)
             if (step + 1) % cfg.save_every == 0 and step + 1 < total:
-                _save_step(accelerator, out, step + 1, fingerprint, scheduler.state_dict(), cfg.keep_checkpoints)
+                save_step(accelerator, out, step + 1, fingerprint, scheduler.state_dict(), cfg.keep_checkpoints)
     finally:
         if bar is not None:
             bar.close()
@@ -609,7 +480,7 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
             log.close()
     seconds = time.perf_counter() - started
     final = out / "final"
-    _save_final(accelerator, model, tokenizer, final, checkpoint_info(cfg, stage, mask_id, base), {
+    save_final(accelerator, model, tokenizer, final, checkpoint_info(cfg, stage, mask_id, base), {
         "stage": stage, "objective": objective, "init": str(init), "steps": total, "seed": seed,
         "num_examples": n, "processes": world, "train": asdict(cfg),
         "final_step": step_summary(last),  # no throughput: the same run writes the same bytes
@@ -650,45 +521,3 @@ def _init_as_final(accelerator, cfg: TrainConfig, stage: str, init, out: Path, m
     accelerator.wait_for_everyone()
     return TrainResult(stage=stage, objective=OBJECTIVE[stage], steps=0, final_dir=out / "final",
                        metrics_path=metrics_path, final_loss=float("nan"), seconds=0.0, tokens_per_s=0.0)
-
-
-class _TiedWeightsNote(logging.Filter):
-    """Drop accelerate's per-save note about tied embeddings (safetensors stores a shared tensor once)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Removed shared tensor" not in record.getMessage()
-
-
-logging.getLogger("accelerate.utils.other").addFilter(_TiedWeightsNote())
-
-
-def _save_step(accelerator, out: Path, step: int, fingerprint: dict, scheduler: dict, keep: int) -> None:
-    dest = step_dir(out, step)
-    tmp = dest.with_name(f".tmp-{dest.name}")
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)  # left over from a killed run
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        # the state file is the completion marker: written last, then the folder is renamed into place
-        state = {"step": step, "fingerprint": fingerprint, "scheduler": scheduler}
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
-        replace_dir(tmp, dest)
-        for old in complete_checkpoints(out)[:-keep]:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-
-
-def _save_final(accelerator, model, tokenizer, final: Path, info: CheckpointInfo, run: dict) -> None:
-    accelerator.wait_for_everyone()
-    state = accelerator.get_state_dict(model)  # gathers FSDP / ZeRO shards; every process must call it
-    if accelerator.is_main_process:
-        state = {k.removeprefix("lm."): v for k, v in state.items()}
-        unwrapped = accelerator.unwrap_model(model).lm
-        info.write_to(unwrapped.config)
-        with atomic_dir(final) as tmp:
-            unwrapped.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            (tmp / "mars_run.json").write_text(json.dumps({**run, "mars": info.to_dict()}, indent=2, default=str))
-    accelerator.wait_for_everyone()
