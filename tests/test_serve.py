@@ -438,7 +438,8 @@ def test_a_row_moved_between_the_lossless_mode_and_tau_one_stays_greedy_and_drop
 def test_a_rows_first_step_in_a_new_setting_is_not_counted_as_the_settings_yield():
     """After a move into the lossless mode (no drafts yet), to another lossless width or out of it (a cache
     holding every verified draft), a row's first step yields what its old setting left it: the engine hands
-    the policy no yield for it, and marks the step unclean (its cost is not the setting's either)."""
+    the policy no yield for it, and marks the step unclean (its cost is not the setting's either). A joining
+    request's first step is its setting's own: its yield counts, its cost (a prefill) does not."""
     import asyncio
     import itertools
 
@@ -477,9 +478,10 @@ def test_a_rows_first_step_in_a_new_setting_is_not_counted_as_the_settings_yield
     steps = [len(e) for e in events if isinstance(e, list)]
     assert len(policy.seen) == len(steps) > len(script) and sum(steps) == 60
     for k, ((setting, step), tokens) in enumerate(zip(policy.seen, steps)):
-        moved = k == 0 or setting != policy.seen[k - 1][0]  # the first step is also the prompt's
+        moved = k > 0 and setting != policy.seen[k - 1][0]
+        # the prompt's step is the setting's own (a request's first step), but not a clean decoding step
         assert step.yields == ([] if moved else [(setting, tokens)]), (k, setting)
-        assert step.clean == (not moved) and step.rows == 1 and step.slots == setting.slots(B)
+        assert step.clean == (k > 0 and not moved) and step.rows == 1 and step.slots == setting.slots(B)
 
 
 def test_engines_side_by_side_are_stepped_by_one_thread_and_each_drains_on_close():

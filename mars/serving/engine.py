@@ -234,7 +234,7 @@ class Engine:
         # verified drafts), so only its later steps count toward the setting's tokens.
         yields = []
         for u in updates:
-            if before.get(id(u.row)) == u.row.setting:
+            if before.get(id(u.row), u.row.setting) == u.row.setting:  # a joining row's prompt step counts
                 yields.append((u.row.setting, len(u.new_tokens)))
             if not u.done:
                 self._setting_before[id(u.row)] = u.row.setting

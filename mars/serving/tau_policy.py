@@ -6,7 +6,8 @@ the batch and the hardware, so the choice is measured online, not configured.
 
 * Measured: the cost of a step per (batch-size bucket, window slots), a moving average over steps that
   took no prompt and moved no row (prefill and a row's first step in a new setting say nothing about the
-  setting); and the tokens a row yields per step in each setting. tau = 1 yields exactly one. Lossless
+  setting); and the tokens a row yields per step in each setting, a request's prompt step included but not
+  a row's first step after a move (it yields what the old setting left). tau = 1 yields exactly one. Lossless
   widths need no exploration of their own: a lossless step at width W that accepted n tokens would have
   accepted min(n, w) at width w <= W from the same state (the first masks see the same inputs under
   causal attention).
@@ -77,7 +78,7 @@ class StepRecord:
     slots: int  # the widest row's window slots (what the step cost)
     seconds: float
     clean: bool  # no prompt joined and no row moved to another setting: a decoding step of this setting mix
-    yields: Sequence[tuple[Setting, int]] = ()  # (setting, tokens) of each row in its setting's second step on
+    yields: Sequence[tuple[Setting, int]] = ()  # (setting, tokens) per row, but for rows that just moved setting
 
 
 def bucket(rows: int) -> int:
