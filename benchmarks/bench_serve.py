@@ -224,6 +224,19 @@ def held_out(data_dir: str, n: int) -> list[dict]:
             for r in rows]
 
 
+def provenance(argv: list[str]) -> dict:
+    """What a results file needs to say where it came from: the code's commit (+ "dirty" with local changes),
+    the machine, the date and the command."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    return {"commit": git("rev-parse", "--short", "HEAD") + (" (dirty)" if git("status", "--porcelain", "mars") else ""),
+            "machine": f"{cpu}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": " ".join(["python benchmarks/bench_serve.py", *argv])}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="MARS checkpoint directory")
@@ -255,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client-cpus", help="run the load generator on these CPUs (keep them apart from the servers')")
     parser.add_argument("--json", help="write every number here too")
     args = parser.parse_args(argv)
+    origin = provenance(sys.argv[1:] if argv is None else argv)
     if args.repeats < 1:
         parser.error(f"--repeats: must be >= 1, got {args.repeats}")
     server_cpus = cpu_list(args.server_cpus, "--server-cpus") if args.server_cpus else None
@@ -316,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
 
     head = (f"{'level':<28} {'policy':<19} {'tok/s':>8} {'req/s':>7} {'lat p50':>8} {'p95':>7} {'p99':>7} "
             f"{'ttft p50':>9} {'p95':>7} {'p99':>7} {'tok/fwd':>8} {'score':>6}")
+    print("# " + ", ".join(f"{key}: {value}" for key, value in origin.items()))
     print(f"model {args.model}, {len(items)} held-out items, max_tokens {args.max_tokens}, max_batch {args.max_batch}, "
           f"{args.repeats} rounds, prefix cache {'on' if args.prefix_cache else 'off'}, "
           f"CPUs: servers {args.server_cpus or 'any'}, load generator {args.client_cpus or 'any'}")
@@ -347,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':<28} step time in steps with joining prompts: "
                   + ", ".join(f"{label} {share:.0%}" for label, share in shares.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "table": table}, indent=2))
+        Path(args.json).write_text(json.dumps({"provenance": origin, "args": vars(args), "table": table}, indent=2))
     return 0
 
 
