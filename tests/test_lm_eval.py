@@ -22,7 +22,7 @@ from mars.errors import ConfigError, MarsError
 from mars.evaluation import evaluate, harness
 from mars.evaluation.benchmarks import BenchmarkConfig
 from mars.evaluation.evaluate import EvalConfig, read_jsonl
-from mars.evaluation.gate import GateConfig, decide
+from mars.evaluation.gate import Evidence, GateConfig, decide
 from mars.evaluation.harness import LmEvalConfig
 from mars.evaluation.lm_eval_tasks import TASKS_DIR, data
 from mars.evaluation.metric_key import MetricKey
@@ -102,9 +102,10 @@ def test_evaluate_runs_a_local_lm_eval_task_exactly_as_its_benchmark_and_the_gat
     # the gate reads lm-eval entries as it reads a benchmark's (the two names hold the same checkpoint)
     on_disk = json.loads((tmp_path / "eval.json").read_text())
     gate = GateConfig(benchmarks=["mars_heldout"], tolerance=0.0, speed_tau=TAU)
-    assert decide(on_disk, gate)["passed"]
-    on_disk["mars/mars_heldout/tau=1.0"]["score"] -= 0.5
-    decision = decide(on_disk, gate)
+    evidence = Evidence(tmp_path / "eval")
+    assert decide(on_disk, gate, evidence)["passed"]
+    on_disk["mars/mars_heldout/tau=1.0"]["score"] -= 0.5  # no longer what its per-item outputs say
+    decision = decide(on_disk, gate, evidence)
     assert not decision["passed"] and any("mars_heldout" in f for f in decision["failures"])
 
 

@@ -13,6 +13,19 @@ from mars.config import section
 from mars.errors import ConfigError
 
 
+def check_line(c: dict) -> str:
+    """One line of a check: verdict, paired difference +- SE, adjusted p and what it could detect."""
+    verdict = {True: "ok  ", False: "FAIL", None: "    "}[c["passed"]]
+    if c.get("delta") is not None:
+        p = f", p {c['p_holm']:.3g} (Holm)" if c.get("p_holm") is not None else ""
+        detect = f", detects drops >= {c['mdd']:.4f}" if c.get("mdd") is not None else ""
+        return (f"{verdict} {c['name']}: {c['candidate']:.4f} vs {c['baseline']:.4f}, paired delta {c['delta']:+.4f} "
+                f"+- {c['se']:.4f} (n {c['n']}{p}{detect}){'' if c['gated'] else ' [reported]'}")
+    if "value" in c:
+        return f"{verdict} {c['name']}: {c['value']:.4f} (limit {c['limit']:.4f})"
+    return f"{verdict} {c['name']}: {c.get('message') or ''}"
+
+
 def main(argv: list[str], verb: str = "gate") -> int:
     from mars.evaluation import gate
 
@@ -20,7 +33,8 @@ def main(argv: list[str], verb: str = "gate") -> int:
     add_params_arguments(parser)
     parser.add_argument("--metrics", default="metrics/eval.json", help="evaluation metrics (mars evaluate)")
     parser.add_argument("--out", default="metrics/gate.json", help="where the decision goes")
-    parser.add_argument("--eval-dir", help="mars evaluate's per-item outputs: adds paired standard errors")
+    parser.add_argument("--eval-dir", default="eval",
+                        help="mars evaluate's per-item outputs, which the rule decides from (default: eval)")
     parser.add_argument("--export", help="the export made from the candidate (its sha256 goes into the decision)")
     parser.add_argument("--override", metavar="REASON", help="pass the gate anyway, recording REASON")
     parser.add_argument("--override-by", metavar="WHO", help="who overrides (required with --override)")
@@ -33,9 +47,10 @@ def main(argv: list[str], verb: str = "gate") -> int:
         cfg.override = gate.Override(True, args.override, args.override_by)
     decision = gate.run_gate(args.metrics, args.out, cfg, eval_dir=args.eval_dir, export=args.export)
     for c in decision["checks"]:
-        pair = (f"; delta {c['delta']:+.4f} +- {c['paired_se']:.4f} paired SE" if "paired_se" in c and "delta" in c
-                else "")
-        print(f"{'ok  ' if c['passed'] else 'FAIL'} {c['name']}: {c['value']:.4f} (limit {c['limit']:.4f}{pair})")
+        print(check_line(c))
+    rule = decision["rule"]
+    print(f"rule: {rule['tests']} test(s), alpha {rule['alpha']} over all (Holm); minimum detectable drops at "
+          f"power {rule['power']}")
     if decision["overridden"]:
         print(f"gate OVERRIDDEN by {cfg.override.by}: {cfg.override.reason}", file=sys.stderr)
     elif not decision["passed"]:
