@@ -131,6 +131,34 @@ def test_metrics_trace_back_to_the_saved_generations(ar_checkpoint, tmp_path):
     assert "| ar_control | lossless | 100.0 |" in report
 
 
+def test_in_fp32_tau_one_is_the_lossless_decode_and_equals_decoding_it_apart(ar_checkpoint, tmp_path):
+    run = lambda out, **over: evaluate.run({"ar_control": str(ar_checkpoint)}, toy_config(taus=[1.0], **over),  # noqa: E731
+                                           data_dir=None, out_dir=tmp_path / out, metrics_path=tmp_path / f"{out}.json",
+                                           train_metrics_dir=None, log=lambda *_: None)
+    both, apart = run("both"), run("apart", lossless=False)
+    assert both["ar_control/toy/tau=1.0"]["derived_from"] == "lossless" and "derived_from" not in apart["ar_control/toy/tau=1.0"]
+    derived = read_jsonl(tmp_path / "both" / "ar_control" / "toy" / "tau=1.0.jsonl")
+    decoded = read_jsonl(tmp_path / "apart" / "ar_control" / "toy" / "tau=1.0.jsonl")
+    for key in ("id", "token_ids", "text", "forwards", "score", "finish_reason"):
+        assert [r[key] for r in derived] == [r[key] for r in decoded], key
+    same = ("score", "tokens", "forwards", "tokens_per_forward", "n")
+    assert {k: both["ar_control/toy/tau=1.0"][k] for k in same} == {k: apart["ar_control/toy/tau=1.0"][k] for k in same}
+    assert "| ar_control | 1 | 100.0 | 1.00 |" in (tmp_path / "both" / "report.md").read_text()
+
+
+def test_the_tau_sweep_may_decode_a_seeded_subset(ar_checkpoint, tmp_path):
+    metrics = evaluate.run({"ar_control": str(ar_checkpoint), "again": str(ar_checkpoint)},
+                           toy_config(taus=[1.0, 0.8], sweep_n=5), data_dir=None, out_dir=tmp_path / "eval",
+                           metrics_path=tmp_path / "eval.json", train_metrics_dir=None, log=lambda *_: None)
+    assert [metrics[f"ar_control/toy/{t}"]["n"] for t in ("tau=1.0", "tau=0.8", "lossless")] == [12, 5, 12]
+    subset = [[r["id"] for r in read_jsonl(tmp_path / "eval" / c / "toy" / "tau=0.8.jsonl")] for c in ("ar_control", "again")]
+    everything = [r["id"] for r in read_jsonl(tmp_path / "eval" / "ar_control" / "toy" / "tau=1.0.jsonl")]
+    assert subset[0] == subset[1] and set(subset[0]) < set(everything)  # the same items for every checkpoint
+    assert subset[0] == [i for i in everything if i in subset[0]]  # in benchmark order
+    with pytest.raises(ConfigError, match="sweep_n: must be >= 1"):
+        toy_config(sweep_n=0)
+
+
 def test_the_cli_reads_params_and_checkpoints(ar_checkpoint, tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(

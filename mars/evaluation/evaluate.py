@@ -21,6 +21,7 @@ For each checkpoint (``--checkpoint NAME=DIR``, e.g. sft, ar_control, mars), eac
 from __future__ import annotations
 
 import json
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,7 +72,10 @@ class EvalConfig:
     lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)  # lm-evaluation-harness tasks over the same
                                                                  # sweep (mars.evaluation.harness)
     lossless: bool = True  # also decode each benchmark in lossless mode (key <checkpoint>/<benchmark>/lossless):
-                           # the tau = 1.0 output by construction, at the tokens/forward its drafts earn
+                           # the tau = 1.0 output by construction, at the tokens/forward its drafts earn; in fp32
+                           # the tau = 1.0 entry is taken from it (the same tokens), not decoded twice
+    sweep_n: int | None = None  # items per benchmark decoded at taus below 1.0 (a seeded subset; None: all);
+                                # tau = 1.0 and lossless, which the gate pairs, decode every item
 
     def __post_init__(self):
         if not self.taus:
@@ -87,6 +91,8 @@ class EvalConfig:
             raise ConfigError("benchmarks: none is enabled (and lm_eval.tasks is empty)")
         if self.ar_taus is not None and (not self.ar_taus or not all(t in self.taus for t in self.ar_taus)):
             raise ConfigError(f"ar_taus: must be a non-empty subset of taus {self.taus}, got {self.ar_taus}")
+        if self.sweep_n is not None and self.sweep_n < 1:
+            raise ConfigError(f"sweep_n: must be >= 1 (or null: every item), got {self.sweep_n}")
         if self.reference is not None and 1.0 not in self.taus:
             raise ConfigError("reference: the comparison is with the reference's tau = 1.0 output; taus lacks 1.0")
 
@@ -116,17 +122,51 @@ def summarize(rows: list[dict], seconds: float, tau: float | None, block_size: i
                          len(rows), tau, block_size)
 
 
+def sweep_items(items: list, n: int | None, seed: int, benchmark: str) -> list:
+    """The items decoded below tau = 1.0: ``n`` of them, a seeded sample kept in benchmark order (families
+    stay mixed where the benchmark lists them family by family)."""
+    if n is None or n >= len(items):
+        return items
+    keep = set(random.Random(f"mars-sweep:{seed}:{benchmark}").sample(range(len(items)), n))
+    return [it for i, it in enumerate(items) if i in keep]
+
+
+def _as_tau_one(row: dict) -> dict:
+    """A lossless row as the tau = 1.0 row it equals in fp32: the same tokens, one forward each."""
+    return {**row, "forwards": len(row["token_ids"]), "tokens_per_forward": 1.0 if row["token_ids"] else 0.0,
+            "derived_from": "lossless"}
+
+
 def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, cfg: EvalConfig, out_dir: Path,
                    log=print) -> dict:
     """Evaluate one loaded model on every benchmark x tau (+ lossless); writes per-item outputs, returns metrics
     entries."""
+    import torch
+
     from mars.decoding.generate import generate
 
     block_size = cfg.block_size_for(name, model)
+    taus = cfg.taus_for(model)
+    # AR checkpoints at ar_taus only: their lossless drafts come from untrained mask slots
+    lossless = cfg.lossless and not (cfg.ar_taus is not None and taus == cfg.ar_taus and taus != cfg.taus)
+    # lossless mode is greedy AR token for token in fp32 (bf16 rounds with the window width: decoded apart)
+    reuse = lossless and 1.0 in taus and next(model.parameters()).dtype == torch.float32
+    modes: list[float | None] = ([None] if lossless else []) + [t for t in taus if not (reuse and t == 1.0)]
     entries: dict[str, dict] = {}
+
+    def record(key: MetricKey, rows: list[dict], seconds: float, tau: float | None) -> None:
+        write_jsonl(key.outputs_path(out_dir), rows)
+        entry = summarize(rows, seconds, tau, block_size)
+        if rows and "derived_from" in rows[0]:
+            entry["derived_from"] = rows[0]["derived_from"]
+        entries[key.format()] = entry
+        log(f"{key.format()}: score {entry['score']:.3f}  tokens/forward {entry['tokens_per_forward']:.2f}  "
+            + ("(the lossless tokens)" if "derived_from" in entry else f"{entry['tokens_per_s']:.0f} tok/s"))
+
     for bench_name, bench in benchmarks.items():
-        bench_items = items[bench_name]
-        for tau in cfg.taus_for(model) + ([None] if cfg.lossless else []):  # None: the lossless mode
+        for tau in modes:  # None: the lossless mode
+            bench_items = items[bench_name] if tau in (None, 1.0) else sweep_items(
+                items[bench_name], cfg.sweep_n, cfg.seed, bench_name)
             gens = generate(model, tokenizer, [it.prompt for it in bench_items], block_size=block_size,
                             tau=1.0 if tau is None else tau, mode="lossless" if tau is None else "tau",
                             max_new_tokens=bench.config.max_new_tokens, batch_size=cfg.batch_size,
@@ -142,13 +182,12 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
                     "forwards": g.forwards, "tokens_per_forward": g.tokens_per_forward,
                     "finish_reason": g.finish_reason, "reference": it.reference, **s,
                 })
-            key = MetricKey(name, bench_name, None if tau is None else float(tau))
-            write_jsonl(key.outputs_path(out_dir), rows)
-            entry = summarize(rows, gens.seconds, tau, block_size)
-            entries[key.format()] = entry
-            log(f"{key.format()}: score {entry['score']:.3f}  "
-                f"tokens/forward {entry['tokens_per_forward']:.2f}  {entry['tokens_per_s']:.0f} tok/s")
-    return entries
+            record(MetricKey(name, bench_name, None if tau is None else float(tau)), rows, gens.seconds, tau)
+            if tau is None and reuse:
+                record(MetricKey(name, bench_name, 1.0), [_as_tau_one(r) for r in rows], 0.0, 1.0)
+    order = list(benchmarks)
+    return {k: entries[k] for k in sorted(entries, key=lambda k: (order.index(MetricKey.parse(k).benchmark),
+                                                                  sweep_order(MetricKey.parse(k).tau)))}
 
 
 def build_benchmarks(cfg: EvalConfig, data_dir: str | None, tasks=None) -> tuple[dict, dict]:

@@ -132,8 +132,11 @@ def _table(per_ckpt: dict[str, list[dict]]) -> list[str]:
             tau = "lossless" if r["tau"] is None else f"{r['tau']:g}"
             more = (f" {100 * r['agree_exact']:.1f} | {r['agree_prefix']:.1f} | {r['ref_logprob']:.3f} |"
                     if agreement else "")
+            # a tau = 1.0 entry taken from the lossless decode (fp32) has no time of its own
+            timing = ("from lossless | - " if r.get("derived_from") else
+                      f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f}")
             lines.append(f"| {ckpt} | {tau} | {100 * r['score']:.1f} | {r['tokens_per_forward']:.2f} | "
-                         f"{r['forwards']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['n']} |" + more)
+                         f"{r['forwards']} | {timing} | {r['n']} |" + more)
     return lines
 
 
