@@ -24,9 +24,18 @@ def test_train_and_heldout_splits_are_disjoint_by_content():
     assert dropped > 0  # gcd of numbers below 10 has few distinct questions: the overlaps were seen and dropped
 
 
+def test_the_heldout_split_asks_each_question_once():
+    small = {"basic_arithmetic": TaskFamily(config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+                                                    "operators": ["+"], "allow_parentheses": False,
+                                                    "allow_negation": False})}
+    entries = tasks.heldout(TasksConfig(n_heldout=80, families=small), "basic_arithmetic")
+    questions = [e["question"] for e in entries]
+    assert len(set(questions)) == len(questions) > 40  # 100 sums of two digits: a 160-item draw repeats many
+
+
 def test_seed_ranges_that_overlap_are_refused():
     # reasoning-gym seeds item i with seed + i: seeds 1 and 2 would share all items but one
-    with pytest.raises(ConfigError, match=r"heldout_seed: items 2\.\.33 overlap the train draw 1\.\.112"):
+    with pytest.raises(ConfigError, match=r"heldout_seed: items 2\.\.65 overlap the train draw 1\.\.112"):
         TasksConfig(train_seed=1, heldout_seed=2)
     with pytest.raises(ConfigError, match="gsm_symbolic comes from a benchmark's test set"):
         TasksConfig(families={"gsm_symbolic": TaskFamily()})

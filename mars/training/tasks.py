@@ -5,7 +5,7 @@ each with a verifier (``score_answer(answer, entry)``). The same family settings
 
 - ``train``: the prompts the ``distill`` stage hands the base model (families with ``pool: true``);
 - ``heldout``: the ``reasoning`` benchmark's items (every family, including ``pool: false`` ones,
-  which the model was never distilled on).
+  which the model was never distilled on), each question once.
 
 A family must generate the same items in every process (the distill stage resumes by a digest of its
 pool, and evaluation regenerates the held-out split): ``isomorphic_strings``, for one, iterates a set
@@ -79,7 +79,7 @@ class TasksConfig:
             raise ConfigError("n_train, n_heldout: must be positive")
         # reasoning-gym seeds item i with seed + i: seeds 1 and 2 share all but one item
         train = range(self.train_seed, self.train_seed + self.train_draw())
-        held = range(self.heldout_seed, self.heldout_seed + self.n_heldout)
+        held = range(self.heldout_seed, self.heldout_seed + self.heldout_draw())
         if train.start < held.stop and held.start < train.stop:
             raise ConfigError(f"heldout_seed: items {held.start}..{held.stop - 1} overlap the train draw "
                               f"{train.start}..{train.stop - 1} (reasoning-gym seeds item i with seed + i)")
@@ -90,6 +90,10 @@ class TasksConfig:
     def train_draw(self) -> int:
         """Items drawn per family for the train split: extra, so that dropped repeats still leave n_train."""
         return 2 * self.n_train + self.n_heldout
+
+    def heldout_draw(self) -> int:
+        """Items drawn per family for the held-out split: extra, so that dropped repeats still leave n_heldout."""
+        return 2 * self.n_heldout
 
     def pool_families(self) -> list[str]:
         return [name for name, fam in self.families.items() if fam.pool]
@@ -109,8 +113,17 @@ def dataset(name: str, family: TaskFamily, size: int, seed: int):
 
 
 def heldout(cfg: TasksConfig, name: str) -> list[dict]:
-    """The held-out entries of one family (question, answer, metadata), in index order."""
-    return list(dataset(name, cfg.families[name], cfg.n_heldout, cfg.heldout_seed))
+    """Up to ``n_heldout`` held-out entries of one family (question, answer, metadata), in draw order, each
+    question once: a repeated question would count twice in a score and understate its standard error
+    (fewer where the family's content space runs out)."""
+    kept, seen = [], set()
+    for entry in dataset(name, cfg.families[name], cfg.heldout_draw(), cfg.heldout_seed):
+        if len(kept) == cfg.n_heldout:
+            break
+        if entry["question"] not in seen:
+            seen.add(entry["question"])
+            kept.append(entry)
+    return kept
 
 
 def train(cfg: TasksConfig, name: str) -> tuple[list[dict], int]:
