@@ -29,6 +29,11 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+# OpenAI's range for a seed; torch's generator would take [-2**63, 2**64) and raise outside it
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_STOP_CHARS = 256  # the step thread decodes as many tokens back as the longest stop string spans, every token
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")  # other OpenAI fields (user, penalties ...) are accepted, unused
 
@@ -36,7 +41,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -65,8 +70,8 @@ class _Request(BaseModel):
     @classmethod
     def _stops(cls, value):
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("up to 4 non-empty stop strings")
+        if len(stops) > 4 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"up to 4 non-empty stop strings of at most {MAX_STOP_CHARS} characters")
         return stops
 
     def stop_list(self) -> list[str]:
