@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_serve import NAME, Running, release  # noqa: F401 (release: a fixture)
+from test_serve import NAME, PROMPTS, Running, chat, release  # noqa: F401 (release: a fixture)
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -37,3 +37,35 @@ def test_a_value_out_of_range_gets_400_and_the_connection_keeps_serving(server, 
         good = client.post("/v1/chat/completions", json={"model": NAME, "messages": HI, "max_tokens": 3,
                                                           "seed": 2**63 - 1})  # the largest seed samples
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/chat/completions", "presence_penalty", 0.5),
+    ("/v1/chat/completions", "frequency_penalty", -1),
+    ("/v1/chat/completions", "logit_bias", {"5": 100}),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "logprobs", True),
+    ("/v1/chat/completions", "top_logprobs", 2),
+    ("/v1/completions", "best_of", 3),
+    ("/v1/completions", "echo", True),
+    ("/v1/completions", "suffix", "."),
+])
+def test_an_unimplemented_openai_field_is_refused_not_ignored(server, path, field, value):
+    body = {"model": NAME, "max_tokens": 3, field: value}
+    body.update({"messages": HI} if "chat" in path else {"prompt": "hi"})
+    error = assert_error(server.post(path, body), 400, field)
+    assert "not supported" in error["message"]
+
+
+def test_an_unimplemented_field_at_its_neutral_value_changes_nothing(server):
+    plain = chat(server, PROMPTS[0], temperature=0, max_tokens=12, tau=1.0)
+    neutral = chat(server, PROMPTS[0], temperature=0, max_tokens=12, tau=1.0, presence_penalty=0,
+                   frequency_penalty=0.0, logit_bias={}, response_format={"type": "text"}, logprobs=False,
+                   tool_choice="none", tools=[])
+    assert neutral.choices[0].message.content == plain.choices[0].message.content
+    completion = server.client.completions.create(model=NAME, prompt="the cat", temperature=0, max_tokens=8,
+                                                  echo=False, best_of=1, logit_bias=None)
+    assert completion.usage.completion_tokens == 8

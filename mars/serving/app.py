@@ -2,10 +2,11 @@
 plus ``/health`` and ``/metrics``.
 
 Every error is an OpenAI-style body naming the field (:class:`mars.serving.protocol.APIError`): a bad
-field or malformed JSON 400, a prompt over the context 400 (``context_length_exceeded``), an unknown
-model 404, a wrong or missing API key 401, a full queue 429 with ``Retry-After``, a server draining
-503. The API key (when set) is compared in constant time and never logged; ``/health`` and ``/metrics``
-stay open for probes and scrapers.
+field, an OpenAI field this server does not implement (set to anything but its neutral value) or malformed
+JSON 400, a prompt over the context 400 (``context_length_exceeded``), an unknown model 404, a wrong or
+missing API key 401, a full queue 429 with ``Retry-After``, a server draining 503. The API key (when set)
+is compared in constant time and never logged; ``/health`` and ``/metrics`` stay open for probes and
+scrapers.
 """
 
 from __future__ import annotations

@@ -5,15 +5,18 @@ MARS knobs travel as extra body fields, which the ``openai`` client sends with `
 mask slots as verified drafts; needs temperature 0) and ``block_size`` (1..B of the checkpoint: at
 most that many tokens per forward). ``usage`` carries ``forwards`` (decoding forwards the request took
 part in), ``tokens_per_forward`` and ``tau`` (the mean tau its steps ran at) beside the token counts.
+Every field is range-checked here, before any of it reaches the decoder; an OpenAI field the server does
+not implement is refused unless it holds its neutral value (``_NEUTRAL``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 
 class APIError(Exception):
@@ -29,13 +32,23 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+# OpenAI fields this server does not implement, with the values that leave the output as if they were absent:
+# a request may send those (or null); any other value is refused rather than silently ignored.
+_NEUTRAL: dict[str, tuple] = {
+    "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,), "logprobs": (False,),
+    "top_logprobs": (0,), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"),
+    "functions": ([],), "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (),
+    "best_of": (1,), "echo": (False,), "suffix": ("",),
+}
+
 # OpenAI's range for a seed; torch's generator would take [-2**63, 2**64) and raise outside it
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_STOP_CHARS = 256  # the step thread decodes as many tokens back as the longest stop string spans, every token
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # other OpenAI fields (user, penalties ...) are accepted, unused
+    # other OpenAI fields (user, metadata, store ...) change no output: accepted, unused
+    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -46,7 +59,22 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
+    # not implemented: only their neutral values pass (_NEUTRAL)
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
     logprobs: Any = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
     # MARS
     tau: float | None = Field(None, gt=0.0, le=1.0)
     mode: Literal["tau", "lossless"] = "tau"
@@ -59,11 +87,13 @@ class _Request(BaseModel):
             raise ValueError("only n = 1 is supported")
         return n
 
-    @field_validator("logprobs")
+    @field_validator(*_NEUTRAL)
     @classmethod
-    def _no_logprobs(cls, value):
-        if value not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
+    def _neutral_only(cls, value, info: ValidationInfo):
+        neutral = _NEUTRAL[info.field_name]
+        if value is not None and value not in neutral:
+            allowed = " or ".join([json.dumps(v) for v in neutral] + ["null"])
+            raise ValueError(f"not supported by this server (only {allowed})")
         return value
 
     @field_validator("stop")
