@@ -58,8 +58,8 @@ class Outcomes:
 
 
 def at_tau1(**over) -> GateConfig:
-    """A gate with the tau = 1.0 checks only (params.yaml's also checks speed at tau 0.9)."""
-    return GateConfig(**{"speed_tau": None, "max_score_drop": None, **over})
+    """A gate with the tau = 1.0 checks only, no tolerance (params.yaml's also checks speed at tau 0.9)."""
+    return GateConfig(**{"speed_tau": None, "max_score_drop": None, "tolerance": 0.0, **over})
 
 
 def loses(n: int, lost: int, won: int = 0, right: int = 0) -> tuple[list[int], list[int]]:
@@ -140,7 +140,7 @@ def test_noise_around_zero_passes():
 
 def test_an_unchanged_model_fails_the_whole_gate_at_most_alpha_of_the_time():
     rng = random.Random(0)
-    cfg = GateConfig(speed_tau=0.9, max_score_drop=0.0)
+    cfg = GateConfig(speed_tau=0.9, max_score_drop=0.0, tolerance=0.0)
     runs, failed = 300, 0
     for _ in range(runs):
         o = Outcomes()
@@ -271,7 +271,7 @@ def test_cli_writes_the_decision_and_exits_nonzero_on_failure(tmp_path, capsys):
     assert gate_cli.main(args) == 1
     decision = json.loads(out.read_text())
     assert decision["passed"] is False and decision["metrics_sha256"]
-    assert decision["rule"]["alpha"] == 0.05 and decision["config"]["tolerance"] == 0.0
+    assert decision["rule"]["alpha"] == 0.05 and decision["config"]["tolerance"] == 0.05
     assert sorted(decision["evidence"]["outputs"]) == ["ar_control/a/tau=1.0.jsonl", "mars/a/tau=1.0.jsonl"]
     printed = capsys.readouterr()
     assert "FAIL a: 0.3000 vs 0.5000, paired delta -0.2000 +- 0.0284 (n 200" in printed.out

@@ -73,7 +73,7 @@ class GateConfig:
     tau: float = 1.0
     alpha: float = 0.05  # the chance that an unchanged model fails the gate (Holm over its checks)
     power: float = 0.8  # of the minimum detectable drop each check reports
-    tolerance: float = 0.0  # score (0..1) the candidate may trail per benchmark before a drop counts
+    tolerance: float = 0.05  # score (0..1) the candidate may trail per benchmark before a drop counts
     average_tolerance: float | None = None  # None: same as tolerance
     min_baseline_score: float = 0.15  # a benchmark where a baseline scores less is reported, not gated
     benchmarks: list[str] = field(default_factory=list)  # empty: every benchmark both have at tau

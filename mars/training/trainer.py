@@ -41,6 +41,7 @@ from mars.core.checkpoint_info import CheckpointInfo
 from mars.core.digest import sha256_chunks
 from mars.errors import ConfigError, DataError, MarsError
 from mars.core.loss import compute_loss
+from mars.core.models import has_bf16_units
 from mars.training.checkpoints import resume_from, save_final, save_step
 from mars.training.launch import LaunchConfig
 from mars.training.metrics_log import MetricsLog, step_summary, write_summary
@@ -107,7 +108,7 @@ class TrainConfig:
     grad_accum: int = 1
     group_by_length: bool = True  # batches of similar lengths (less padding); the order stays seeded
     max_grad_norm: float | None = 1.0
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA with bf16, else no
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "no"  # auto: bf16 where the device has bf16 units
     attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
     save_every: int = 100  # optimizer steps between checkpoints
     keep_checkpoints: int = 2
@@ -309,8 +310,8 @@ def _make_accelerator(cfg: TrainConfig):
     from accelerate.state import AcceleratorState
 
     precision = cfg.mixed_precision
-    if precision == "auto":
-        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    if precision == "auto":  # bf16 autocast without bf16 units is many times slower than fp32 (AVX2 CPUs)
+        precision = "bf16" if has_bf16_units("cuda" if torch.cuda.is_available() else "cpu") else "no"
     # Each run sets its own precision. accelerate keeps one process-wide state and refuses a second
     # Accelerator with another precision, so a second run in one process (a notebook, a test session)
     # would fail; the process group (PartialState) is kept.
