@@ -3,9 +3,15 @@ are test_serve's."""
 
 from __future__ import annotations
 
+import json
+import threading
+
 import httpx
 import pytest
 from test_serve import NAME, PROMPTS, Running, chat, release  # noqa: F401 (release: a fixture)
+
+from mars.errors import ConfigError
+from mars.serving.config import ServeConfig
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -69,3 +75,57 @@ def test_an_unimplemented_field_at_its_neutral_value_changes_nothing(server):
     completion = server.client.completions.create(model=NAME, prompt="the cat", temperature=0, max_tokens=8,
                                                   echo=False, best_of=1, logit_bias=None)
     assert completion.usage.completion_tokens == 8
+
+
+def test_a_body_over_the_size_limit_gets_413_without_being_parsed(server):
+    """The default limit, 1 MiB: a 2 MB body is refused by its Content-Length, and a chunked one (no length)
+    once what arrived passes the limit; neither is parsed or tokenized, and the server keeps serving."""
+    huge = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "the cat " * 250_000}]})
+    error = assert_error(server.post("/v1/chat/completions", huge), 413, "body")
+    assert error["code"] == "request_too_large"
+
+    def chunks():
+        for start in range(0, len(huge), 65536):
+            yield huge[start:start + 65536].encode()
+
+    chunked = httpx.post(server.url + "/v1/chat/completions", content=chunks(), timeout=60,
+                         headers={"content-type": "application/json"})
+    assert "content-length" not in chunked.request.headers
+    assert_error(chunked, 413, "body")
+    assert chat(server, "hi", temperature=0, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_the_size_limit_is_configurable(release, tmp_path):  # noqa: F811
+    with pytest.raises(ConfigError, match="max_request_bytes"):
+        ServeConfig(max_request_bytes=0)
+    small = Running(release, tmp_path / "cache", max_request_bytes=300)
+    try:
+        fits = {"model": NAME, "prompt": "the cat sat", "max_tokens": 2}
+        assert small.post("/v1/completions", fits).status_code == 200
+        assert_error(small.post("/v1/completions", {**fits, "prompt": "the cat sat " * 30}), 413, "body")
+    finally:
+        small.stop()
+
+
+def test_the_event_loop_serves_others_while_a_prompt_is_tokenized(server, monkeypatch):
+    """The chat template and the tokenizer run off the event loop: while one request's prompt is held in
+    the template, the loop still answers (before, a 2 MB prompt stalled every stream for ~2 s)."""
+    tokenizer = server.built.serving.current.model.tokenizer
+    template, entered, go_on = tokenizer.apply_chat_template, threading.Event(), threading.Event()
+
+    def slow_template(*args, **kwargs):
+        entered.set()
+        go_on.wait(20)
+        return template(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", slow_template)
+    result = {}
+    waiting = threading.Thread(target=lambda: result.update(out=chat(server, "hi", temperature=0, max_tokens=3)))
+    waiting.start()
+    try:
+        assert entered.wait(20)
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200  # the loop is free
+    finally:
+        go_on.set()
+        waiting.join(30)
+    assert result["out"].usage.completion_tokens == 3

@@ -82,6 +82,8 @@ def _parser(verb: str):
                         help=f"requests waiting for a row; more get 429 (default: {d.max_queue})")
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="the most a request may ask for")
     parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    parser.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                        help=f"a larger request body gets 413 (default: {d.max_request_bytes}, 1 MiB)")
     parser.add_argument("--poll-seconds", type=float, default=d.poll_seconds,
                         help=f"--release: how often to check the stage pointer for a new release (0: never; "
                              f"default: {d.poll_seconds:g})")
@@ -114,6 +116,7 @@ def main(argv: list[str], verb: str = "serve") -> int:
                       threads=args.threads, max_batch=args.max_batch, max_queue=args.max_queue, policy=policy,
                       prefix_cache=args.prefix_cache,
                       max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
+                      max_request_bytes=args.max_request_bytes,
                       poll_seconds=args.poll_seconds, drain_seconds=args.drain_seconds)
     api_key = args.api_key or os.environ.get("MARS_API_KEY") or None
     if args.release:

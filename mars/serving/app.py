@@ -3,10 +3,10 @@ plus ``/health`` and ``/metrics``.
 
 Every error is an OpenAI-style body naming the field (:class:`mars.serving.protocol.APIError`): a bad
 field, an OpenAI field this server does not implement (set to anything but its neutral value) or malformed
-JSON 400, a prompt over the context 400 (``context_length_exceeded``), an unknown model 404, a wrong or
-missing API key 401, a full queue 429 with ``Retry-After``, a server draining 503. The API key (when set)
-is compared in constant time and never logged; ``/health`` and ``/metrics`` stay open for probes and
-scrapers.
+JSON 400, a prompt over the context 400 (``context_length_exceeded``), a body over ``max_request_bytes``
+413, an unknown model 404, a wrong or missing API key 401, a full queue 429 with ``Retry-After``, a
+server draining 503. The API key (when set) is compared in constant time and never logged; ``/health``
+and ``/metrics`` stay open for probes and scrapers.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class Limits:
     max_tokens: int = 2048  # the most a request may ask for
     default_max_tokens: int = 128  # when it asks for none
     retry_after_s: int = 1  # the Retry-After of a 429
+    max_request_bytes: int = 1 << 20  # a larger body gets 413
 
 
 class Serving:
@@ -178,7 +179,16 @@ def create_app(serving: Serving) -> FastAPI:
         return serving.current
 
     async def body_of(request: Request) -> Any:
-        raw = await request.body()
+        limit = serving.limits.max_request_bytes
+        too_large = APIError(413, f"body: the request is over {limit} bytes", "body", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:  # refused before reading a byte of it
+            raise too_large
+        raw = bytearray()
+        async for chunk in request.stream():  # a chunked body names no length: counted as it arrives
+            raw += chunk
+            if len(raw) > limit:
+                raise too_large
         try:
             return json.loads(raw)
         except ValueError as err:
@@ -214,7 +224,9 @@ def create_app(serving: Serving) -> FastAPI:
             if req.model != engine.model.name:
                 raise APIError(404, f"model: {req.model!r} is not served here (this server serves "
                                f"{engine.model.name!r})", "model", code="model_not_found")
-            gen = _generation_request(req, engine, serving.limits)
+            # the chat template and the tokenizer take a while on a long prompt: off the loop, which
+            # hands every running stream its tokens
+            gen = await asyncio.to_thread(_generation_request, req, engine, serving.limits)
             try:
                 handle = engine.submit(gen, asyncio.get_running_loop())
                 break

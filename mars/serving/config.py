@@ -23,11 +23,12 @@ class ServeConfig:
     prefix_cache: bool = True  # the chat template's head (system turn) is computed once, not per request
     max_tokens: int = 2048  # the most a request may ask for
     default_max_tokens: int = 128
+    max_request_bytes: int = 1 << 20  # a larger request body gets 413 (prompts fill the context long before)
     poll_seconds: float = 30.0  # how often a --release server checks its stage pointer (0: never)
     drain_seconds: float = 60.0  # how long SIGTERM waits for taken requests
 
     def __post_init__(self):
-        for key in ("max_batch", "max_queue", "max_tokens", "default_max_tokens"):
+        for key in ("max_batch", "max_queue", "max_tokens", "default_max_tokens", "max_request_bytes"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
         if self.threads is not None and self.threads < 1:

@@ -60,7 +60,8 @@ def build(cfg: ServeConfig, *, release: str | None = None, stage: str = "prod", 
                                 else tau, export_dir=model_dir, **load)
     log.info("serving %s", model.describe())
     serving = Serving(start_engine(model, cfg, metrics), metrics, api_key=api_key,
-                      limits=Limits(max_tokens=cfg.max_tokens, default_max_tokens=cfg.default_max_tokens))
+                      limits=Limits(max_tokens=cfg.max_tokens, default_max_tokens=cfg.default_max_tokens,
+                                    max_request_bytes=cfg.max_request_bytes))
     watch = None
     if release is not None and cfg.poll_seconds > 0:
         watch = ReleaseWatch(store, release, stage, cache, serving,
