@@ -4,14 +4,18 @@ are test_serve's."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
+import time
 
 import httpx
 import pytest
+import uvicorn
 from test_serve import NAME, PROMPTS, Running, chat, release  # noqa: F401 (release: a fixture)
 
 from mars.errors import ConfigError
 from mars.serving.config import ServeConfig
+from mars.serving.server import MarsServer
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -129,3 +133,31 @@ def test_the_event_loop_serves_others_while_a_prompt_is_tokenized(server, monkey
         go_on.set()
         waiting.join(30)
     assert result["out"].usage.completion_tokens == 3
+
+
+class _Draining:  # what MarsServer's exit handler asks of Serving
+    def __init__(self, finishes: bool):
+        self.finishes, self.draining = finishes, False
+
+    def running(self) -> int:
+        return 2
+
+    def queue_depth(self) -> int:
+        return 1
+
+    def drain(self, timeout: float) -> bool:
+        return self.finishes
+
+
+@pytest.mark.parametrize("finishes, said", [(True, "drained"), (False, "drain timed out after 7 s")])
+def test_the_drain_logs_its_outcome_without_a_logging_error(caplog, finishes, said):
+    server = MarsServer(uvicorn.Config(app=None), _Draining(finishes), drain_seconds=7)
+    with caplog.at_level(logging.INFO, logger="mars.serve"):
+        server.handle_exit(15, None)
+        deadline = time.monotonic() + 10
+        while not server.should_exit:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    messages = [record.getMessage() for record in caplog.records]  # a bad format string raises here
+    assert messages[0] == "shutting down: finishing 2 running and 1 waiting requests"
+    assert messages[1].startswith(said) and len(messages) == 2

@@ -82,8 +82,10 @@ class MarsServer(uvicorn.Server):
             return
 
         def drain():
-            done = self.serving.drain(timeout=self.drain_seconds)
-            log.info("drained" if done else "drain timed out after %s s", self.drain_seconds)
+            if self.serving.drain(timeout=self.drain_seconds):
+                log.info("drained")
+            else:
+                log.warning("drain timed out after %s s: the unfinished requests were cancelled", self.drain_seconds)
             self.should_exit = True
 
         log.info("shutting down: finishing %d running and %d waiting requests", self.serving.running(),
