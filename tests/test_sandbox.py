@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import uuid
@@ -29,15 +31,17 @@ def sandbox_processes() -> list[int]:
     """Processes still running under a sandbox uid (there must be none once a run returns)."""
     if not sandbox.isolation().dedicated_uid:
         return []
-    return [int(e.name) for e in os.scandir("/proc") if e.name.isdigit() and _in_uid_range(int(e.name))]
+    return [int(e.name) for e in os.scandir("/proc") if e.name.isdigit() and _running_in_uid_range(int(e.name))]
 
 
-def _in_uid_range(pid: int) -> bool:
+def _running_in_uid_range(pid: int) -> bool:
+    """Zombies are dead already: whether init has reaped them yet is up to init."""
     try:
         uid = os.stat(f"/proc/{pid}").st_uid
-    except OSError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    return sandbox._UID_LOW <= uid < sandbox._UID_HIGH
+    return sandbox._UID_LOW <= uid < sandbox._UID_HIGH and state != "Z"
 
 
 def test_a_correct_completion_passes_and_a_wrong_one_fails():
@@ -56,6 +60,45 @@ def test_syntax_errors_and_exceptions_fail():
 def test_exiting_early_with_status_zero_is_a_failure():
     result = run_python(humaneval_program(PROBLEM, "    import sys; sys.exit(0)\n"), FAST)
     assert not result.passed and result.returncode == 3
+
+
+def test_exiting_zero_through_ctypes_before_the_checks_is_a_failure():
+    """Exit status 0 is not a pass: the program must reach the end, where the harness writes its nonce."""
+    attack = ("    return a - b\n"
+              "import sys\n"
+              "sys.modules.pop('ctypes', None)\n"
+              "sys.modules.pop('_ctypes', None)\n"
+              "import ctypes\n"
+              "ctypes.CDLL(None)._exit(0)\n")
+    result = run_python(humaneval_program(PROBLEM, attack), FAST)
+    assert result.returncode == 0  # the attack did exit 0 ...
+    assert not result.passed and result.status == "failed"  # ... and still failed
+    assert "never reached its end" in result.stderr
+
+
+def test_a_flood_of_output_is_stopped_without_being_held():
+    """300 MB to stdout: the evaluator holds only what it keeps, stops the program past the output limit
+    and reports why (its own peak memory is measured in a fresh interpreter)."""
+    flood = "import sys\nchunk = 'x' * 2**20\nfor _ in range(300):\n    sys.stdout.write(chunk)\n"
+    probe = ("import json, resource, sys\nfrom mars.evaluation.sandbox import SandboxLimits, isolation, run_python\n"
+             "isolation()\nbefore = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+             "r = run_python(sys.argv[1], SandboxLimits(timeout_s=20.0))\n"
+             "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+             "print(json.dumps({'grew_kb': after - before, 'status': r.status, 'stdout': len(r.stdout),"
+             " 'stderr': r.stderr[-300:], 'seconds': r.seconds}))\n")
+    proc = subprocess.run([sys.executable, "-c", probe, flood], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["grew_kb"] < 20 * 1024, out  # not the 300 MB the program wrote
+    assert out["status"] == "failed" and out["stdout"] <= sandbox._OUTPUT_LIMIT + 100
+    assert "stdout past" in out["stderr"] and out["seconds"] < 15
+
+
+def test_a_correct_program_may_print_more_than_is_kept():
+    code = "for i in range(5000):\n    print('line', i)\n"  # ~50 KB: under the stop, over what is kept
+    result = run_python(code, FAST)
+    assert result.passed and "[truncated]" in result.stdout
 
 
 def test_an_infinite_loop_times_out():

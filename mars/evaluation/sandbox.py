@@ -15,11 +15,18 @@ these layers (each one alone stops some attacks; together they contain the usual
   root the namespaces come from a user namespace mapping only our own uid;
 - resource limits (setrlimit): address space, CPU seconds, process count, file size, open files, no
   core dumps; and a wall-clock timeout after which the whole process group is killed;
-- a minimal environment (nothing of ours is inherited) and output that is truncated and scrubbed of
-  anything that looks like a credential (:func:`mars.core.redact.redact_secrets`) before it is kept;
-- a Python guard installed before the program runs: writes outside the working directory, process
-  creation, signals, sockets and ``ctypes`` raise ``PermissionError``/``ImportError``; ``sys.exit``
-  from the program counts as a failure (a completion that exits 0 before the tests must not pass).
+- a minimal environment (nothing of ours is inherited); output is read as it comes, only its first
+  bytes are held, a program writing past ``max_output_kb`` is stopped, and what is kept is truncated and
+  scrubbed of anything that looks like a credential (:func:`mars.core.redact.redact_secrets`);
+- a Python guard (:mod:`.sandbox_runner`) installed before the program runs: writes outside the
+  working directory, process creation, signals, sockets and ``ctypes`` raise
+  ``PermissionError``/``ImportError``.
+
+A program passes only when the harness, after the program's last statement, hands back a random
+per-run nonce it was given on stdin: exit status 0 alone is not enough (a completion that exits 0
+before the tests, by ``sys.exit``, ``os._exit`` through ``ctypes`` or any other way, must not pass).
+The program could dig the nonce out of the harness's frames, as it could undo the guard; that is a
+deliberate attack on its own score, which the OS layers do not bound.
 
 The guard alone is not a security boundary (Python code can always find a way around it); the OS
 layers are what bound a determined program. Where the kernel refuses the namespaces (no root and no
@@ -36,6 +43,7 @@ import json
 import os
 import platform
 import secrets
+import selectors
 import shutil
 import signal
 import subprocess
@@ -74,7 +82,11 @@ _SYSTEM_PATHS = ("/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32", "/lib", 
 _DEVICES = ("null", "zero", "full", "random", "urandom")
 SANDBOX_DIR = "/sandbox"  # where the run directory appears inside the private root (cwd and HOME)
 _NOT_ISOLATED = 125  # launcher exit status when a layer could not be set up (nothing ran)
-_OUTPUT_LIMIT = 4096
+_OUTPUT_LIMIT = 4096  # characters of each stream stored in an ExecResult
+# Raw bytes of each stream held while the program runs: redaction can shorten text, so more than is stored.
+_CAPTURE_LIMIT = 4 * _OUTPUT_LIMIT
+_NONCE_BYTES = 16
+_RUNNER = Path(__file__).with_name("sandbox_runner.py")  # the sandboxed interpreter's main script
 
 
 class SandboxUnavailable(MarsError):
@@ -90,12 +102,13 @@ class SandboxLimits:
     max_processes: int = 16
     max_file_mb: int = 16
     max_open_files: int = 64
+    max_output_kb: int = 1024  # stdout or stderr past this stops the program (only the first bytes are kept)
     guard: bool = True
 
     def __post_init__(self):
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s: must be > 0, got {self.timeout_s}")
-        for name in ("memory_mb", "max_processes", "max_file_mb", "max_open_files"):
+        for name in ("memory_mb", "max_processes", "max_file_mb", "max_open_files", "max_output_kb"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
@@ -113,105 +126,6 @@ class ExecResult:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-# Runs as the sandboxed interpreter's main script: installs the guard, then executes program.py.
-_RUNNER = r'''
-import builtins, io, os, sys
-
-ROOT = os.path.realpath(os.getcwd())
-GUARD = os.environ.pop("MARS_SANDBOX_GUARD", "1") == "1"
-EXIT = os._exit  # kept before the guard blocks it
-
-
-def _inside(path):
-    if isinstance(path, int):  # an already open descriptor
-        return True
-    path = os.fsdecode(os.fspath(path))
-    real = os.path.realpath(os.path.join(ROOT, path))
-    return real == ROOT or real.startswith(ROOT + os.sep)
-
-
-def _deny(what, path=None):
-    raise PermissionError(13, "sandbox: " + what + " is not allowed", None if path is None else str(path))
-
-
-def _install_guard():
-    real_open = builtins.open
-
-    def guarded_open(file, mode="r", *args, **kwargs):
-        if any(flag in mode for flag in "wax+") and not _inside(file):
-            _deny("writing outside the working directory", file)
-        return real_open(file, mode, *args, **kwargs)
-
-    builtins.open = io.open = guarded_open
-
-    real_os_open = os.open
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-
-    def guarded_os_open(path, flags, *args, **kwargs):
-        if flags & write_flags and not _inside(path):
-            _deny("writing outside the working directory", path)
-        return real_os_open(path, flags, *args, **kwargs)
-
-    os.open = guarded_os_open
-
-    def path_guard(name):
-        real = getattr(os, name)
-
-        def guarded(*args, **kwargs):
-            for arg in args[:2]:
-                if isinstance(arg, (str, bytes, os.PathLike)) and not _inside(arg):
-                    _deny("os." + name + " outside the working directory", arg)
-            return real(*args, **kwargs)
-
-        return guarded
-
-    for name in ("remove", "unlink", "rmdir", "removedirs", "mkdir", "makedirs", "rename", "renames",
-                 "replace", "chmod", "chown", "lchown", "truncate", "symlink", "link", "utime",
-                 "mkfifo", "mknod", "chdir", "chroot"):
-        if hasattr(os, name):
-            setattr(os, name, path_guard(name))
-
-    def blocked(what):
-        def refuse(*args, **kwargs):
-            _deny(what)
-        return refuse
-
-    import posix
-    for module in (os, posix):
-        for name in ("fork", "forkpty", "vfork", "system", "popen", "kill", "killpg", "_exit", "abort",
-                     "execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe",
-                     "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp",
-                     "spawnvpe", "posix_spawn", "posix_spawnp", "setuid", "setgid", "putenv",
-                     "unsetenv", "register_at_fork"):
-            if hasattr(module, name):
-                setattr(module, name, blocked("os." + name))
-
-    import socket
-    def no_socket(*args, **kwargs):
-        _deny("network access")
-    socket.socket = socket.create_connection = socket.socketpair = socket.fromfd = no_socket
-    import shutil
-    shutil.rmtree = shutil.move = blocked("shutil")
-    for name in ("ctypes", "_ctypes", "subprocess", "_posixsubprocess", "multiprocessing", "pty",
-                 "resource", "_socket"):
-        sys.modules[name] = None  # `import name` now raises ImportError
-
-
-with open("program.py", encoding="utf-8") as fh:
-    code = compile(fh.read(), "program.py", "exec")
-if GUARD:
-    _install_guard()
-try:
-    exec(code, {"__name__": "__main__", "__builtins__": builtins})
-except SystemExit as exc:
-    sys.stderr.write("sandbox: the program called sys.exit(%r): counted as a failure\n" % (exc.code,))
-    sys.stderr.flush()
-    EXIT(3)
-'''
-
-
 
 
 # ---- the OS layers (run in the launcher process, between fork and exec) -------------------------------
@@ -355,7 +269,8 @@ def _launch_main() -> None:
         resource.setrlimit(which, (soft, new_hard if hard == resource.RLIM_INFINITY else min(new_hard, hard)))
     _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after the uid change, which clears it
     env = {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-           "PYTHONHASHSEED": "0", "MARS_SANDBOX_GUARD": "1" if spec["guard"] else "0"}
+           "PYTHONHASHSEED": "0", "MARS_SANDBOX_GUARD": "1" if spec["guard"] else "0",
+           "MARS_SANDBOX_RESULT_FD": str(spec["result_fd"])}
     os.chdir(SANDBOX_DIR)
     os.execve(spec["python"], [spec["python"], "-I", "-B", "runner.py"], env)
 
@@ -372,13 +287,17 @@ def _readonly_paths() -> list[str]:
     return paths
 
 
-def _pids_of_uid(uid: int):
+def _pids_of_uid(uid: int, zombies: bool = True):
+    """Processes of ``uid``; zombies (dead, waiting for a parent, maybe a slow init, to reap them) count
+    toward RLIMIT_NPROC but need no kill."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/status") as fh:
                 for line in fh:
+                    if line.startswith("State:") and line.split()[1] == "Z" and not zombies:
+                        break
                     if line.startswith("Uid:"):
                         if int(line.split()[1]) == uid:
                             yield int(entry.name)
@@ -390,7 +309,7 @@ def _pids_of_uid(uid: int):
 def _kill_uid(uid: int) -> None:
     """SIGKILL every process of ``uid`` until none is left (a fork bomb keeps making new ones)."""
     for _ in range(100):
-        pids = list(_pids_of_uid(uid))
+        pids = list(_pids_of_uid(uid, zombies=False))
         if not pids:
             return
         for pid in pids:
@@ -444,12 +363,13 @@ def isolation() -> Isolation:
 
 def _kept(data: bytes) -> str:
     """Program output as it may be stored: scrubbed of credentials, then cut to ``_OUTPUT_LIMIT``."""
-    text = redact_secrets(data[: 4 * _OUTPUT_LIMIT].decode("utf-8", "replace"))
+    text = redact_secrets(data[:_CAPTURE_LIMIT].decode("utf-8", "replace"))
     return text if len(text) <= _OUTPUT_LIMIT else text[:_OUTPUT_LIMIT] + "\n...[truncated]"
 
 
 def run_python(source: str, limits: SandboxLimits = SandboxLimits()) -> ExecResult:
-    """Run ``source`` as a Python program in the sandbox; passed == exit status 0 within the time limit.
+    """Run ``source`` as a Python program in the sandbox; passed == it ran to its end (the harness handed
+    back the run's nonce) and exited 0, within the time and output limits.
 
     Raises :class:`SandboxUnavailable` where the program cannot be isolated (see :func:`isolation`).
     """
@@ -471,39 +391,105 @@ def _run(source: str, limits: SandboxLimits, dedicated_uid: bool) -> ExecResult:
         workdir.mkdir()
         root.mkdir()
         (workdir / "program.py").write_text(source, encoding="utf-8")
-        (workdir / "runner.py").write_text(_RUNNER, encoding="utf-8")
+        shutil.copyfile(_RUNNER, workdir / "runner.py")
         if uid is not None:
             for path in (workdir, workdir / "program.py", workdir / "runner.py"):
                 os.chown(path, uid, uid)
         spec = {"uid": uid, "workdir": str(workdir), "root": str(root), "readonly": _readonly_paths(),
                 "python": sys.executable, "guard": limits.guard,
                 **{k: v for k, v in dataclasses.asdict(limits).items() if k != "guard"}}
-        launcher = "from mars.evaluation.sandbox import _launch_main; _launch_main()"
-        proc = subprocess.Popen(
-            [sys.executable, "-c", launcher, json.dumps(spec)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, cwd=workdir, env=_launcher_env(),
-        )
-        timed_out = False
-        try:
-            stdout, stderr = proc.communicate(timeout=limits.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc.pid)
-            if uid is not None:
-                _kill_uid(uid)
-            stdout, stderr = proc.communicate()
-        _kill_group(proc.pid)  # children left behind by a program that exited
-        if uid is not None:
-            _kill_uid(uid)
+        nonce = secrets.token_hex(_NONCE_BYTES).encode()
+        why, returncode, out, err, result = _execute(spec, limits, uid, nonce)
         seconds = time.perf_counter() - start
-        if timed_out:
-            return ExecResult(False, "timeout", None, seconds, _kept(stdout), _kept(stderr))
-        passed = proc.returncode == 0
-        return ExecResult(passed, "passed" if passed else "failed", proc.returncode, seconds,
-                          _kept(stdout), _kept(stderr))
+        stdout, stderr = _kept(out.data), _kept(err.data)
+        if why == "timeout":
+            return ExecResult(False, "timeout", None, seconds, stdout, stderr)
+        if why is not None:
+            stderr += f"\nsandbox: {why}: the program was stopped\n"
+            return ExecResult(False, "failed", returncode, seconds, stdout, stderr)
+        finished = bytes(result.data) == nonce
+        if returncode == 0 and not finished:
+            stderr += "\nsandbox: the program exited 0 but never reached its end: counted as a failure\n"
+        passed = returncode == 0 and finished
+        return ExecResult(passed, "passed" if passed else "failed", returncode, seconds, stdout, stderr)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@dataclasses.dataclass
+class _Stream:
+    """One pipe from the program: its first ``keep`` bytes are held, ``stop`` bytes are allowed in all."""
+
+    name: str
+    keep: int
+    stop: int
+    data: bytearray = dataclasses.field(default_factory=bytearray)
+    seen: int = 0
+
+
+def _execute(spec: dict, limits: SandboxLimits, uid: int | None, nonce: bytes):
+    """Start the launcher, hand it ``nonce`` on stdin, drain its stdout, stderr and result pipe within the
+    limits, then kill whatever is left of the run. Returns (why it was stopped or None, exit status,
+    stdout, stderr, result) with the streams as :class:`_Stream`."""
+    stop = limits.max_output_kb * 1024
+    out, err = _Stream("stdout", _CAPTURE_LIMIT, stop), _Stream("stderr", _CAPTURE_LIMIT, stop)
+    result = _Stream("the result pipe", len(nonce), len(nonce))
+    result_r, result_w = os.pipe()
+    launcher = "from mars.evaluation.sandbox import _launch_main; _launch_main()"
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", launcher, json.dumps({**spec, "result_fd": result_w})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(result_w,),
+            start_new_session=True, cwd=spec["workdir"], env=_launcher_env(),
+        )
+    except BaseException:
+        os.close(result_r)
+        raise
+    finally:
+        os.close(result_w)  # the launcher has its own; ours would keep the pipe from ever closing
+    with proc, open(result_r, "rb", buffering=0) as result_pipe:
+        deadline = time.monotonic() + limits.timeout_s
+        try:
+            proc.stdin.write(nonce)
+            proc.stdin.close()
+        except BrokenPipeError:  # the launcher already ended (it could not isolate the program)
+            pass
+        why = _drain({proc.stdout.fileno(): out, proc.stderr.fileno(): err, result_pipe.fileno(): result},
+                     deadline)
+        if why is None:  # every pipe closed: the program ended, or closed them and goes on
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                why = "timeout"
+        _kill_group(proc.pid)  # past a limit, or children left behind by a program that exited
+        if uid is not None:
+            _kill_uid(uid)
+        proc.wait()
+    return why, proc.returncode, out, err, result
+
+
+def _drain(streams: dict[int, _Stream], deadline: float) -> str | None:
+    """Read every pipe until it closes, holding only what each keeps (a program can write far more than
+    the evaluator should hold). Returns None once all are closed, else why the program must be stopped:
+    "timeout" past ``deadline``, or which pipe went past its ``stop``."""
+    with selectors.DefaultSelector() as selector:
+        for fd in streams:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout"
+            for key, _ in selector.select(left):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fd)
+                    continue
+                stream = streams[key.fd]
+                stream.seen += len(chunk)
+                stream.data += chunk[: stream.keep - len(stream.data)]
+                if stream.seen > stream.stop:
+                    return f"{stream.name} past {stream.stop} bytes"
+    return None
 
 
 def _launcher_env() -> dict[str, str]:
