@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 import uvicorn
 from test_serve import NAME, PROMPTS, Running, chat, release  # noqa: F401 (release: a fixture)
@@ -133,6 +134,16 @@ def test_the_event_loop_serves_others_while_a_prompt_is_tokenized(server, monkey
         go_on.set()
         waiting.join(30)
     assert result["out"].usage.completion_tokens == 3
+
+
+def test_models_retrieve_gives_the_model_object_and_404_for_another_id(server):
+    model = server.client.models.retrieve(NAME)
+    assert model.id == NAME and model.object == "model" and model.block_size == 4
+    assert model.model_dump() == {**server.client.models.list().data[0].model_dump(), "created": model.created}
+    for other in ("gpt-4", "org/mars"):
+        with pytest.raises(openai.NotFoundError) as err:
+            server.client.models.retrieve(other)
+        assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
 
 
 class _Draining:  # what MarsServer's exit handler asks of Serving

@@ -100,6 +100,13 @@ class Serving:
         return all(done)
 
 
+def _model_object(model) -> dict:
+    """OpenAI's model object, plus what MARS decodes it with."""
+    return {"id": model.name, "object": "model", "created": now(), "owned_by": "mars", "version": model.version,
+            "block_size": model.block_size, "tau": model.default_tau, "tau_floor": model.tau_floor,
+            "context_length": model.context}
+
+
 def _prompt_ids(req, engine: Engine) -> tuple[list[int], str]:
     tokenizer = engine.model.tokenizer
     if isinstance(req, ChatRequest):
@@ -210,11 +217,15 @@ def create_app(serving: Serving) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
+        return {"object": "list", "data": [_model_object(admit(request).model)]}
+
+    @app.get("/v1/models/{model_id:path}")  # an id may hold a slash (org/name)
+    async def retrieve_model(model_id: str, request: Request):
         model = admit(request).model
-        return {"object": "list", "data": [{
-            "id": model.name, "object": "model", "created": now(), "owned_by": "mars", "version": model.version,
-            "block_size": model.block_size, "tau": model.default_tau, "tau_floor": model.tau_floor,
-            "context_length": model.context}]}
+        if model_id != model.name:
+            raise APIError(404, f"model: {model_id!r} is not served here (this server serves {model.name!r})",
+                           "model", code="model_not_found")
+        return _model_object(model)
 
     async def generate(request: Request, kind: type):
         admit(request)
