@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 
@@ -134,6 +135,24 @@ def test_the_event_loop_serves_others_while_a_prompt_is_tokenized(server, monkey
         go_on.set()
         waiting.join(30)
     assert result["out"].usage.completion_tokens == 3
+
+
+def test_a_non_streaming_request_whose_client_goes_away_stops_decoding(server):
+    tokens_before = server.metric("mars_generated_tokens_total")
+    body = json.dumps({"model": NAME, "prompt": [5, 6, 7], "max_tokens": 250, "temperature": 0, "tau": 1.0})
+    with socket.create_connection(("127.0.0.1", server.cfg.port)) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.monotonic() + 30
+        while server.metric("mars_running_requests") < 1:  # decoding: now the client hangs up
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    deadline = time.monotonic() + 10
+    while server.metric("mars_running_requests") > 0:  # the engine let go of it
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert server.metric("mars_generated_tokens_total") - tokens_before < 250
+    assert chat(server, "hi", temperature=0, max_tokens=5).usage.completion_tokens == 5
 
 
 def test_models_retrieve_gives_the_model_object_and_404_for_another_id(server):

@@ -255,10 +255,19 @@ def create_app(serving: Serving) -> FastAPI:
         if req.stream:
             events = _sse(engine, handle, text, meta, chat, len(gen.prompt_ids), req.include_usage(), serving.metrics)
             return StreamingResponse(events, media_type="text/event-stream")
+        finished, gone = asyncio.ensure_future(_finished(handle, text)), asyncio.ensure_future(_client_gone(request))
         try:
-            async for item in handle.events():
-                if not isinstance(item, Finished):
-                    text.token_ids.extend(item)  # decoded once, below
+            await asyncio.wait((finished, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            answered = finished.done()
+            if not answered:  # the client hung up (or the server cancelled this handler): stop decoding it
+                finished.cancel()
+                engine.cancel(handle)
+        if not answered:
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        try:
+            item = finished.result()
         except Closed as err:
             raise APIError(503, str(err), kind="server_error", code="shutting_down") from None
         except MarsError as err:
@@ -279,6 +288,21 @@ def create_app(serving: Serving) -> FastAPI:
         return await generate(request, CompletionRequest)
 
     return app
+
+
+async def _finished(handle, text: TextStream) -> Finished:
+    """A non-streaming request's :class:`Finished` record, its tokens collected in ``text``."""
+    async for item in handle.events():
+        if not isinstance(item, Finished):
+            text.token_ids.extend(item)  # decoded once, at the end
+    return item
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client hangs up. Awaited once the body is read: the next ASGI message is then the
+    disconnect, the one a streaming response listens for."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _sse(engine: Engine, handle, text: TextStream, meta: dict, chat: bool, prompt_tokens: int,
