@@ -22,6 +22,7 @@ import yaml
 from project_copy import copy_project, init_repo
 
 REPO = Path(__file__).resolve().parents[1]
+MARS = [sys.executable, "-m", "mars.cli"]  # this interpreter's mars, whether or not its bin is on PATH
 
 
 # ------------------------------------------------------------------ Prefect server + flow helpers
@@ -329,7 +330,7 @@ def pipeline_run(prefect_server, tmp_path_factory):
         mp.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
         apply_overrides(str(root / "params.yaml"), FAST)  # the project's own settings: a plain `dvc repro` agrees
         init_repo(root)
-        subprocess.run(["mars", "store", "configure-dvc", "--repo", str(root)], cwd=root, check=True)
+        subprocess.run(MARS + ["store", "configure-dvc", "--repo", str(root)], cwd=root, check=True)
         started = time.perf_counter()
         state = run_flow(project_dir=str(root))
         seconds = time.perf_counter() - started
@@ -354,7 +355,7 @@ def test_tiny_pipeline_end_to_end_through_the_flow(pipeline_run, tmp_path):
 
     # the release is in the S3 store: a downstream service pulls it by name and stage
     dest = tmp_path / "release"
-    subprocess.run(["mars", "pull", "mars", "--stage", "prod", "--to", str(dest)], cwd=root, check=True)
+    subprocess.run(MARS + ["pull", "mars", "--stage", "prod", "--to", str(dest)], cwd=root, check=True)
     assert (dest / "release.json").is_file() or any(dest.iterdir())
     # cached outputs went to the DVC remote on the same server
     keys = pipeline_run["server"].client().list_objects_v2(Bucket=pipeline_run["bucket"], Prefix="store/dvc/")
@@ -389,7 +390,7 @@ def test_tiny_pipeline_end_to_end_through_the_flow(pipeline_run, tmp_path):
     assert rejected.name == "GateRejected", rejected.message
     assert "stage-promote" not in task_states(rejected)
     again = tmp_path / "again"
-    subprocess.run(["mars", "pull", "mars", "--stage", "prod", "--to", str(again)], cwd=root, check=True)
+    subprocess.run(MARS + ["pull", "mars", "--stage", "prod", "--to", str(again)], cwd=root, check=True)
     assert json.loads((again / "release.json").read_text())["version"] == \
         json.loads((dest / "release.json").read_text())["version"]
 

@@ -541,7 +541,8 @@ def configure_dvc(cfg: StoreConfig, repo: str | Path = ".", remote: str | None =
     url = dvc_remote_url(cfg)
 
     def dvc(*args: str) -> None:
-        proc = subprocess.run(["dvc", *args], cwd=repo, capture_output=True, text=True)
+        # the DVC of this interpreter (a dependency of mars), not whichever `dvc` PATH finds, if any
+        proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, capture_output=True, text=True)
         if proc.returncode != 0:
             raise MarsError(f"dvc {' '.join(args[:3])} in {repo}: {proc.stderr.strip() or proc.stdout.strip()}")
 
