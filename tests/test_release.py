@@ -21,6 +21,7 @@ from s3_server import REPO, launch, use_server
 
 from mars.core.digest import sha256_tree
 from mars.cli.promote import main as promote_cli
+from mars.cli.store import main as store_cli
 from mars.release.promote import (IntegrityError, ReleaseError, list_releases, manifest_key, pointer_key, promote,
                           pull, rollback)
 from mars.core.atomic import temp_prefix
@@ -509,3 +510,56 @@ def test_the_same_gated_files_are_one_release_whichever_stage_gets_them(tmp_path
                                                                   "releases/mars/v1/seal.json"]
     other = make_inputs(tmp_path / "b", "b")
     assert promote(store, **other, **PROD, log=quiet)["version"] == "v2"
+
+
+# ---- issue 45: what a killed or broken write leaves must neither hide the store nor block it --------
+def store_ls(store_uri: str, *args: str, capsys) -> list[str]:
+    assert store_cli(["ls", *args, "--store", store_uri, "--params", str(REPO / "params.yaml")], verb="store") == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_store_ls_lists_what_a_pull_takes_and_survives_a_corrupt_manifest(tmp_path, capsys):
+    store = open_store(str(tmp_path / "store"))
+    for seed in ("a", "b", "c"):
+        promote(store, **make_inputs(tmp_path / seed, seed), **PROD, log=quiet)
+    manifest, _ = store.get_json(manifest_key("mars", "v3"))
+    # a promote killed after its manifest, before its seal; and a manifest gone bad on disk
+    store.put_json(manifest_key("mars", "v4"), {**manifest, "version": "v4"}, if_absent=True)
+    overwrite(store, manifest_key("mars", "v1"), b'{"name": "mars", "version": "v1", "files": {')
+    lines = store_ls(store.uri, "mars", capsys=capsys)
+    assert [line.split()[:2] for line in lines[:3]] == [["mars", "v1"], ["mars", "v2"], ["mars", "v3"]]
+    assert lines[0].startswith("mars v1  unreadable: ") and "does not match the release's seal" in lines[0]
+    assert lines[1].endswith("files=9") and lines[2].endswith("files=9  <- prod")
+    assert len(lines) == 4 and "1 incomplete release not listed (v4)" in lines[3] and "--all" in lines[3]
+
+    every = store_ls(store.uri, "mars", "--all", capsys=capsys)
+    assert every[:3] == lines[:3] and every[3].startswith("mars v4  incomplete: no seal") and len(every) == 4
+    with pytest.raises(IntegrityError, match="has no seal"):  # as a pull decides
+        pull(store, "mars", tmp_path / "v4", stage=None, version="v4", log=quiet)
+
+
+def test_a_corrupt_stage_pointer_is_listed_and_replaced_by_the_next_promote_or_rollback(tmp_path, capsys):
+    store = open_store(str(tmp_path / "store"))
+    first, second = make_inputs(tmp_path / "a", "a"), make_inputs(tmp_path / "b", "b")
+    promote(store, **first, **PROD, log=quiet)
+    overwrite(store, pointer_key("mars", "prod"), b'{"version": "v')
+    lines = store_ls(store.uri, capsys=capsys)
+    assert lines[0].endswith("files=9")  # no stage marker: the pointer says nothing readable
+    assert lines[1].startswith("mars prod: unreadable stage pointer: ") and "not valid JSON" in lines[1]
+    with pytest.raises(IntegrityError, match=r"not valid JSON .*`mars promote --stage prod` \(or --rollback"):
+        pull(store, "mars", tmp_path / "out", log=quiet)  # a pull never follows it
+
+    said: list[str] = []
+    assert promote(store, **second, **PROD, log=said.append)["version"] == "v2"
+    warning = [line for line in said if line.startswith("warning:")]
+    assert len(warning) == 1 and str(store.root / pointer_key("mars", "prod")) in warning[0]
+    assert "replacing" in warning[0]
+    assert_serves(store.uri, second, tmp_path / "served")
+
+    overwrite(store, pointer_key("mars", "prod"), b"")
+    said.clear()
+    rollback(store, version="v1", **PROD, log=said.append)
+    assert said[0].startswith("warning:") and "not valid JSON" in said[0]
+    assert_serves(store.uri, first, tmp_path / "served")
+    assert store_ls(store.uri, capsys=capsys)[0].endswith("<- prod")
+

@@ -19,6 +19,8 @@ def main(argv: list[str], verb: str = "store") -> int:
     conf.add_argument("--no-default", action="store_true", help="do not make it the default remote")
     ls = sub.add_parser("ls", help="list releases and stage pointers")
     ls.add_argument("name", nargs="?", help="release name (default: all)")
+    ls.add_argument("--all", action="store_true",
+                    help="also list incomplete releases (a promote killed before its seal; pull refuses them)")
     for p in (conf, ls):
         add_params_arguments(p)
         add_store_argument(p)
@@ -30,6 +32,6 @@ def main(argv: list[str], verb: str = "store") -> int:
         return 0
     store = open_store(cfg)
     store.check()
-    for line in list_releases(store, args.name):
+    for line in list_releases(store, args.name, incomplete=args.all):
         print(line)
     return 0

@@ -64,6 +64,10 @@ class ReleaseError(MarsError):
     pass
 
 
+class Unsealed(IntegrityError):
+    """A release manifest without its seal: a promote killed between the two (or an altered store)."""
+
+
 def _plain(kind: str, value: str) -> str:
     """Names become store keys (and paths in a directory store): no '/', '..' or odd characters."""
     if not isinstance(value, str) or not NAME_RE.match(value):
@@ -203,6 +207,7 @@ def _versions(store: Store, name: str) -> list[str]:
 
 
 def _read_pointer(store: Store, name: str, stage: str) -> dict | None:
+    """The stage pointer, or None where there is none; an unreadable one raises IntegrityError."""
     try:
         return store.get_json(pointer_key(name, stage))[0]
     except NotFound:
@@ -210,8 +215,12 @@ def _read_pointer(store: Store, name: str, stage: str) -> dict | None:
 
 
 def _move_pointer(store: Store, name: str, stage: str, version: str, manifest_sha256: str, action: str,
-                  by: str) -> dict:
-    current = _read_pointer(store, name, stage)
+                  by: str, log) -> dict:
+    try:
+        current = _read_pointer(store, name, stage)
+    except IntegrityError as err:  # moving the stage is how it gets repaired: a pull refuses it meanwhile
+        log(f"warning: {err}: replacing the unreadable stage pointer (the version it held is unknown)")
+        current = None
     pointer = {"name": name, "stage": stage, "version": version, "manifest_sha256": manifest_sha256,
                "moved_at": _now(), "moved_by": by, "action": action,
                "previous": current.get("version") if current else None}
@@ -270,14 +279,17 @@ def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: s
         "files": entries,
     }
     total = sum(e["size"] for e in entries.values())
-    same = _same_release(store, name, stage, manifest)
+    try:
+        current = _read_pointer(store, name, stage)
+    except IntegrityError:  # unreadable: moving the stage replaces it (and says so)
+        current = None
+    same = _same_release(store, name, stage, manifest, current)
     if same is not None:  # these very files under this very decision: that release, not a copy of it
         version, manifest_sha256 = same
-        current = _read_pointer(store, name, stage)
         if current and current.get("version") == version and current.get("manifest_sha256") == manifest_sha256:
             log(f"{name} {stage} already at {version} ({len(entries)} files, {total / 2**20:.1f} MB): unchanged")
             return current
-        pointer = _move_pointer(store, name, stage, version, manifest_sha256, "promote", by)
+        pointer = _move_pointer(store, name, stage, version, manifest_sha256, "promote", by, log)
         log(f"promoted {name} {version} (published before, same files and gate decision) -> {stage} in "
             f"{store.uri}: {uploaded} uploaded, previous: {pointer['previous'] or 'none'}")
         return pointer
@@ -294,7 +306,7 @@ def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: s
         raise ReleaseError(f"{store.where(f'releases/{name}/')}: could not claim a new version "
                            "(too many concurrent promotes)")
     store.put_json(seal_key(name, version), {"manifest_sha256": manifest_sha256}, if_absent=True)
-    pointer = _move_pointer(store, name, stage, version, manifest_sha256, "promote", by)
+    pointer = _move_pointer(store, name, stage, version, manifest_sha256, "promote", by, log)
     log(f"promoted {name} {version} -> {stage} in {store.uri}: {len(entries)} files ({total / 2**20:.1f} MB), "
         f"{uploaded} uploaded ({uploaded_bytes / 2**20:.1f} MB), previous: {pointer['previous'] or 'none'}")
     return pointer
@@ -305,10 +317,11 @@ _RELEASE_CONTENT = ("format", "name", "block_size", "tau", "tau_floor", "mask_to
                     "files")
 
 
-def _same_release(store: Store, name: str, stage: str, manifest: dict) -> tuple[str, str] | None:
-    """(version, manifest sha256) of the release ``stage`` points at, or of the newest one, if it holds the
-    same content as ``manifest`` (verified as a pull would: pointer or seal; its objects were just checked)."""
-    current = _read_pointer(store, name, stage)
+def _same_release(store: Store, name: str, stage: str, manifest: dict,
+                  current: dict | None) -> tuple[str, str] | None:
+    """(version, manifest sha256) of the release ``stage`` points at (``current``), or of the newest one, if
+    it holds the same content as ``manifest`` (verified as a pull would: pointer or seal; its objects were
+    just checked)."""
     versions = _versions(store, name)
     candidates = [(current.get("version"), stage)] if current else []
     candidates += [(versions[-1], None)] if versions else []
@@ -340,7 +353,7 @@ def rollback(store: Store, *, version: str, by: str, name: str = "mars", stage: 
             store.verify_object(entry["sha256"], entry["size"], label=rel)
         except (NotFound, IntegrityError) as err:
             raise IntegrityError(f"{err}; refusing to roll {stage} back to {version}") from None
-    pointer = _move_pointer(store, name, stage, version, sha256_bytes(data), "rollback", by)
+    pointer = _move_pointer(store, name, stage, version, sha256_bytes(data), "rollback", by, log)
     log(f"rolled {name} {stage} back to {version} (was {pointer['previous'] or 'none'})")
     return pointer
 
@@ -375,17 +388,21 @@ def resolve_release(store: Store, name: str, stage: str | None = None,
     store.check()
     if version is None:
         stage = stage or "prod"
-        pointer = _read_pointer(store, name, stage)
+        repair = f"`mars promote --stage {stage}` (or --rollback VERSION) replaces it"
+        try:
+            pointer = _read_pointer(store, name, stage)
+        except IntegrityError as err:
+            raise IntegrityError(f"{err}; {repair}") from None
         if pointer is None:
             raise NotFound(f"{store.where(pointer_key(name, stage))}: no release of {name} at stage {stage}")
         version, expected, against = pointer.get("version"), pointer.get("manifest_sha256"), "stage pointer's"
         if not isinstance(version, str) or not VERSION_RE.match(version):
-            raise IntegrityError(f"{store.where(pointer_key(name, stage))}: bad stage pointer")
+            raise IntegrityError(f"{store.where(pointer_key(name, stage))}: bad stage pointer; {repair}")
     else:
         expected, against = _read_seal(store, name, version), "release's seal"
         if expected is None and store.size(manifest_key(name, version)) is not None:
-            raise IntegrityError(f"{store.where(seal_key(name, version))}: release {name} {version} has no seal "
-                                 "(an unfinished promote, or an altered store): refused")
+            raise Unsealed(f"{store.where(seal_key(name, version))}: release {name} {version} has no seal "
+                           "(an unfinished promote, or an altered store): refused")
     key = manifest_key(name, version)
     data = store.get_bytes(key)
     if sha256_bytes(data) != expected:
@@ -422,23 +439,53 @@ def pull(store: Store, name: str, dest: str | Path, *, stage: str | None = "prod
     return manifest
 
 
-def list_releases(store: Store, name: str | None = None) -> list[str]:
-    """One line per release (newest last), marking where each stage points."""
+def list_releases(store: Store, name: str | None = None, incomplete: bool = False) -> list[str]:
+    """One line per release (newest last), marking where each stage points.
+
+    A release is listed as a pull by version takes it (manifest checked against its seal): one that fails
+    that check is listed as unreadable, with why. An unsealed release (a promote killed between manifest
+    and seal), which pull and rollback refuse, is listed only with ``incomplete``, else counted in a note.
+    An unreadable stage pointer gets a line of its own.
+    """
     names = [name] if name else sorted({k.split("/")[1] for k in store.list("releases/") if k.count("/") >= 3})
     lines = []
     for n in names:
         stages: dict[str, list[str]] = {}
+        broken = []
         for key in store.list(f"stages/{n}/"):
             stage = PurePosixPath(key).stem
-            pointer = _read_pointer(store, n, stage)
+            try:
+                pointer = _read_pointer(store, n, stage)
+            except IntegrityError as err:
+                broken.append(f"{n} {stage}: unreadable stage pointer: {err}; `mars promote --stage {stage}` "
+                              "(or --rollback VERSION) replaces it")
+                continue
             if pointer:
                 stages.setdefault(pointer.get("version"), []).append(stage)
+        hidden = []
         for version in _versions(store, n):
-            manifest, _ = store.get_json(manifest_key(n, version))
+            marks = f"  <- {', '.join(sorted(stages[version]))}" if version in stages else ""
+            try:
+                manifest, _ = resolve_release(store, n, version=version)
+            except Unsealed:
+                if incomplete:
+                    lines.append(f"{n} {version}  incomplete: no seal, an unfinished promote (pull and rollback "
+                                 f"refuse it){marks}")
+                else:
+                    hidden.append(version)
+                continue
+            except (IntegrityError, NotFound) as err:
+                lines.append(f"{n} {version}  unreadable: {err}{marks}")
+                continue
             gate = manifest.get("gate", {})
             verdict = "override" if gate.get("overridden") or not gate.get("passed") else "pass"
-            marks = f"  <- {', '.join(sorted(stages.get(version, [])))}" if version in stages else ""
             lines.append(f"{n} {version}  {manifest.get('created_at')}  B={manifest.get('block_size')} "
                          f"tau={manifest.get('tau')} gate={verdict} "
                          f"files={len(manifest.get('files', {}))}{marks}")
+        if hidden:
+            one = len(hidden) == 1
+            lines.append(f"{n}: {len(hidden)} incomplete release{'' if one else 's'} not listed "
+                         f"({', '.join(hidden)}): unfinished promote{'' if one else 's'}, refused by pull; "
+                         f"`mars store ls --all` lists {'it' if one else 'them'}")
+        lines += broken
     return lines
