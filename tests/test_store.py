@@ -14,6 +14,7 @@ import pytest
 from s3_server import use_server
 
 from mars.config import ConfigError, load_params
+from mars.core.atomic import temp_prefix
 from mars.core.digest import sha256_file
 from mars.cli.options import store_config
 from mars.release.store import (IntegrityError, NoSuchBucket, NotFound, StoreConfig, StoreError, configure_dvc,
@@ -103,6 +104,39 @@ def test_unfinished_writes_are_invisible(tmp_path):
     # what a killed upload leaves behind: a temp file next to where the object would go
     (store.root / object_key(digest)).with_name(".deadbeef.123.tmp").write_bytes(b"partial")
     assert store.list("objects/") == [object_key(digest)]
+
+
+def test_leftovers_of_killed_uploads_are_swept_and_uploads_in_progress_kept(store_uri, tmp_path):
+    """What a killed upload leaves, never part of a release: a temp file (directory store) or an open
+    multipart upload (S3). Those of a dead process on this host go at once; those whose writer cannot
+    be checked (another host's, any S3 upload) once they are older than the threshold."""
+    store = open_store(StoreConfig(uri=store_uri))
+    src, digest = _file(tmp_path / "a.bin", 100)
+    store.put_object(src, digest, 100)
+    if store_uri.startswith("s3://"):
+        key = store._key(object_key("1" * 64))
+        upload = store.client.create_multipart_upload(Bucket=store.bucket, Key=key)["UploadId"]
+        store.client.upload_part(Bucket=store.bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"partial")
+        assert store.sweep_leftovers() == []  # it may still be running
+        assert store.sweep_leftovers(older_than_s=0) == [f"s3://{store.bucket}/{key}"]
+        assert not store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads")
+    else:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        host = temp_prefix("x").split("-")[1]
+        folder = (store.root / object_key(digest)).parent
+        gone = {folder / f".{'2' * 64}.tmp-{host}-{dead.pid}-a.tmp",
+                store.root / f"stages/mars/.prod.json.tmp-{host}-{dead.pid}-b.tmp"}
+        running = folder / f".{'3' * 64}.tmp-{host}-{os.getpid()}-c.tmp"
+        foreign = folder / f".{'4' * 64}.tmp-otherhost-{dead.pid}-d.tmp"  # its pid says nothing here
+        for path in gone | {running, foreign}:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"partial")
+        assert sorted(store.sweep_leftovers()) == sorted(map(str, gone))
+        assert running.exists() and foreign.exists()
+        assert store.sweep_leftovers(older_than_s=0) == [str(foreign)]
+        assert running.exists()
+    assert store.list("objects/") == [object_key(digest)]  # the stored object is never touched
 
 
 def test_directory_store_that_does_not_exist_is_named(tmp_path):

@@ -41,12 +41,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale(directory: str | Path, name: str) -> list[Path]:
-    """Remove the temporaries of ``name`` in ``directory`` whose process (on this host) is gone; returns them.
+def _abandoned(entry: os.DirEntry, host: str, pid: int, older_than_s: float | None) -> bool:
+    if host == _HOST:
+        return not _alive(pid)
+    if older_than_s is None:
+        return False
+    try:
+        return time.time() - entry.stat(follow_symlinks=False).st_mtime > older_than_s
+    except FileNotFoundError:  # finished meanwhile (renamed into place)
+        return False
 
-    Another host's leftovers on a shared folder are kept: their process cannot be checked from here.
+
+def sweep_stale(directory: str | Path, name: str | None = None, older_than_s: float | None = None) -> list[Path]:
+    """Remove the temporaries of ``name`` (of any name: None) in ``directory`` whose process (on this host)
+    is gone; returns them.
+
+    Another host's leftovers on a shared folder are kept, their process cannot be checked from here,
+    unless ``older_than_s`` is given and they were last modified longer ago than that.
     """
-    pattern = re.compile(rf"^\.{re.escape(name)}\.(?:tmp|old)-{re.escape(_HOST)}-(\d+)-")
+    pattern = re.compile(rf"^\.{'.+' if name is None else re.escape(name)}\.(?:tmp|old)-([^-]+)-(\d+)-")
     removed = []
     try:
         entries = list(os.scandir(directory))
@@ -54,7 +67,7 @@ def sweep_stale(directory: str | Path, name: str) -> list[Path]:
         return removed
     for entry in entries:
         match = pattern.match(entry.name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or not _abandoned(entry, match.group(1), int(match.group(2)), older_than_s):
             continue
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path, ignore_errors=True)

@@ -46,7 +46,7 @@ from mars.core.atomic import atomic_dir, read_json
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.core.digest import is_sha256, sha256_bytes, sha256_file, sha256_tree
 from mars.errors import MarsError
-from mars.release.store import IntegrityError, NotFound, Store, iter_files
+from mars.release.store import IntegrityError, NotFound, Store, StoreError, iter_files
 
 RELEASE_FORMAT = 1
 MANIFEST_FILE = "release.json"
@@ -248,6 +248,13 @@ def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: s
     if tau is None:  # the tau the gate vouched for: its speed check's if it ran one, else the lossless one
         tau = decision.get("speed_tau") if decision.get("speed_tau") is not None else decision.get("tau", 1.0)
     store.check(create=True)
+    try:
+        leftovers = store.sweep_leftovers()
+    except StoreError as err:  # housekeeping (S3 may deny listing uploads): never what stops a promote
+        log(f"warning: leftovers of killed uploads not swept: {err}")
+    else:
+        if leftovers:
+            log(f"removed {len(leftovers)} leftover(s) of killed uploads from {store.uri}")
 
     entries, uploaded, uploaded_bytes = {}, 0, 0
     for rel, path in files.items():

@@ -22,6 +22,7 @@ value that would reach a message is redacted.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
@@ -39,6 +40,9 @@ from mars.errors import ConfigError, MarsError
 MB = 1024 * 1024
 OBJECTS = "objects/sha256"
 CHUNK = 1 * MB
+# A partial upload whose writer cannot be asked whether it still runs (another host's temp file, any S3
+# multipart upload) is taken as abandoned after a day: far longer than an upload runs.
+ABANDONED_AFTER_S = 24 * 3600
 
 
 class StoreError(MarsError):
@@ -162,6 +166,14 @@ class Store:
         """The bytes of object ``key`` in chunks, without a local copy."""
         raise NotImplementedError
 
+    def sweep_leftovers(self, older_than_s: float = ABANDONED_AFTER_S) -> list[str]:
+        """Remove what killed writes left (never listed, so never part of a release); returns where they were.
+
+        A write still in progress is kept: on disk, one of a live process of this host, or of another
+        host modified within ``older_than_s``; on S3, a multipart upload started within ``older_than_s``.
+        """
+        raise NotImplementedError
+
     # -- content-addressed objects ---------------------------------------------------------------
     def object_sha256(self, key: str) -> str:
         """The sha256 of the bytes stored at ``key`` now (read back in full: a size says nothing about content)."""
@@ -256,6 +268,13 @@ class DirStore(Store):
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=".tmp", dir=path.parent)
         os.close(fd)
         return Path(tmp)
+
+    def sweep_leftovers(self, older_than_s: float = ABANDONED_AFTER_S) -> list[str]:
+        removed = []
+        for area in ("objects", "releases", "stages"):  # not dvc/: DVC's remote, DVC's business
+            for folder, _, _ in os.walk(self.root / area):
+                removed += sweep_stale(folder, older_than_s=older_than_s)
+        return [str(path) for path in removed]
 
     def _read_chunks(self, key: str) -> Iterator[bytes]:
         try:
@@ -449,6 +468,20 @@ class S3Store(Store):
     def get_bytes(self, key: str) -> bytes:
         resp = self._call("get", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))
         return self._call("get", key, resp["Body"].read)
+
+    def sweep_leftovers(self, older_than_s: float = ABANDONED_AFTER_S) -> list[str]:
+        # Only objects go up in parts; an aborted upload's parts are deleted (they are billed until then).
+        cutoff = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=older_than_s)
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket,
+                                                                             Prefix=self._key(f"{OBJECTS}/"))
+        removed = []
+        for page in self._call("list uploads", OBJECTS, lambda: list(pages)):
+            for upload in page.get("Uploads", []):
+                if upload["Initiated"] < cutoff:
+                    self._call("abort upload", None, self.client.abort_multipart_upload, Bucket=self.bucket,
+                               Key=upload["Key"], UploadId=upload["UploadId"])
+                    removed.append(f"s3://{self.bucket}/{upload['Key']}")
+        return removed
 
     def _read_chunks(self, key: str) -> Iterator[bytes]:
         from botocore.exceptions import BotoCoreError, ClientError
