@@ -114,6 +114,32 @@ def test_a_file_with_no_usable_row_is_an_error_naming_it_and_keeps_earlier_outpu
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+def test_rows_past_what_the_json_parser_takes_are_counted_skips_not_a_traceback(base, tmp_path):
+    """A row nested 100,000 deep (RecursionError in json) and an id of 5,000 digits (past Python's int
+    digit limit: ValueError) are bad rows like any other: skipped, counted, named by file and line."""
+    src = write_jsonl(tmp_path / "rows.jsonl", [
+        {"prompt": "Say hi.", "response": "hi"},
+        '{"prompt": "deep", "response": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        '{"id": ' + "7" * 5000 + ', "prompt": "Say yes.", "response": "yes"}',
+        {"prompt": "Say no.", "response": "no"},
+    ])
+    out = tmp_path / "prepared"
+    prepare(DataConfig(source=str(src), n_heldout=0), base, out)
+    s = stats_of(out)
+    assert s["skipped"] == {"bad_json": 2} and s["kept"] == 2
+    detail = {p["where"]: p["detail"] for p in s["problems"]}
+    assert "nested too deeply" in detail[f"{src}:2"] and "4300 digits" in detail[f"{src}:3"]
+
+
+def test_a_json_file_nested_too_deeply_is_one_line_naming_it(base, tmp_path, capsys):
+    src = tmp_path / "rows.json"
+    src.write_text("[" * 100_000 + "]" * 100_000)
+    code = main(["prepare", "--params", str(ROOT / "params.yaml"), "-S", f"data.source={src}",
+                 "--base", str(base), "--out", str(tmp_path / "prepared")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and f"{src}: not a JSON file (nested too deeply" in err
+
+
 def test_parquet_and_messages_sources_with_a_heldout_file(base, tokenizer, tmp_path):
     rows = [{"question": f"Repeat {w}.", "answer": w, "task": "echo"} for w in ["cat", "dog", "fish", "bird"]]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")

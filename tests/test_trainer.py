@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -277,8 +278,6 @@ def test_resume_from_a_step_checkpoint_equals_an_uninterrupted_run(init_dir, tmp
     # killed after logging step 8 (its last checkpoint is step 3): a 3-step schedule would change the LR
     # curve, so copy the checkpoint and the log instead
     (part / "steps").mkdir(parents=True)
-    import shutil
-
     shutil.copytree(tmp_path / "full" / "steps" / "step-00000003", part / "steps" / "step-00000003")
     shutil.copy(tmp_path / "full.tsv", tmp_path / "part.tsv")
     res = train(cfg, stage="sft", init=init_dir, examples=data, out=part, metrics_path=tmp_path / "part.tsv",
@@ -485,6 +484,51 @@ def test_resume_refuses_a_checkpoint_holding_a_crafted_pickle(init_dir, tmp_path
             planted.write_bytes(original)
     state = json.loads((step / "trainer_state.json").read_text())
     assert state["scheduler"]["last_epoch"] == 2  # the scheduler travels as plain JSON
+
+
+@pytest.fixture(scope="module")
+def step_checkpoint(init_dir, tmp_path_factory) -> Path:
+    """A finished run whose last step checkpoint (step 2) a test may copy and damage."""
+    out = tmp_path_factory.mktemp("stepped") / "run"
+    train(config(save_every=2, sft={"max_steps": 3}), stage="sft", init=init_dir, examples=copy_examples(32), out=out,
+          metrics_path=out.with_suffix(".tsv"), progress=False)
+    return complete_checkpoints(out)[-1]
+
+
+def _drop(*keys: str):
+    def damage(step: Path) -> None:
+        state = json.loads((step / "trainer_state.json").read_text())
+        inner = state
+        for key in keys[:-1]:
+            inner = inner[key]
+        del inner[keys[-1]]
+        (step / "trainer_state.json").write_text(json.dumps(state))
+    return damage
+
+
+def _write(name: str, data: bytes):
+    return lambda step: (step / name).write_bytes(data)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_drop("fingerprint"), r"trainer_state\.json: 'fingerprint' missing or not an object"),
+    (_drop("step"), r"trainer_state\.json: 'step' missing or not an integer"),
+    (_drop("scheduler", "lr_lambdas"), r"trainer_state\.json: the scheduler state does not load \(KeyError: "
+                                       r"'lr_lambdas'\)"),
+    (_write("trainer_state.json", b"[1, 2]"), r"trainer_state\.json: expected a JSON object"),
+    (_write("trainer_state.json", b"[" * 100_000), r"trainer_state\.json: not valid JSON \(nested too deeply"),
+    (_write("model.safetensors", b"not safetensors at all"), r"model\.safetensors: not a safetensors file"),
+], ids=["no-fingerprint", "no-step", "no-lr_lambdas", "a-list", "nested", "not-safetensors"])
+def test_a_damaged_step_checkpoint_is_refused_in_one_line_naming_the_file(init_dir, step_checkpoint, tmp_path,
+                                                                         damage, message):
+    out = tmp_path / "run"
+    step = out / "steps" / step_checkpoint.name
+    shutil.copytree(step_checkpoint, step)
+    damage(step)
+    with pytest.raises(MarsError, match=message) as refused:
+        train(config(save_every=2, sft={"max_steps": 3}), stage="sft", init=init_dir, examples=copy_examples(32),
+              out=out, resume=str(step), progress=False, metrics_path=tmp_path / "r.tsv")
+    assert "\n" not in str(refused.value) and str(step) in str(refused.value)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -143,13 +143,25 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
     write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
+# What json.loads raises on input it cannot take: ValueError (bad syntax, bytes that are not UTF-8, an integer
+# past Python's digit limit) and RecursionError (nesting deeper than the interpreter's recursion limit).
+JSON_ERRORS = (ValueError, RecursionError)
+
+
+def json_problem(err: Exception) -> str:
+    """Why a text is not JSON that can be read, in a few words (for a message naming where)."""
+    return "nested too deeply" if isinstance(err, RecursionError) else str(err)
+
+
 def read_json(path: str | Path, missing_hint: str = "", error: type[MarsError] = MarsError) -> Any:
-    """Parse a JSON file; a missing or malformed file raises ``error`` naming the path (and the fix)."""
+    """Parse a JSON file; a missing, unreadable or malformed file raises ``error`` naming the path (and the fix)."""
     path = Path(path)
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         hint = f" ({missing_hint})" if missing_hint else ""
         raise error(f"{path}: no such file{hint}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise error(f"{path}: not valid JSON ({err})") from None
+    except OSError as err:  # a directory, no permission
+        raise error(f"{path}: cannot read ({err.strerror or err})") from None
+    except JSON_ERRORS as err:
+        raise error(f"{path}: not valid JSON ({json_problem(err)})") from None

@@ -53,29 +53,57 @@ def resolve_resume(resume: str, out: Path) -> Path | None:
     return path
 
 
-def check_step_checkpoint(ckpt: Path, state: dict) -> None:
+def _refusal(ckpt: Path) -> str:
+    return f"refusing to resume from {ckpt} (--resume no starts over)"
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+
+
+def _check_state(ckpt: Path, state: object) -> None:
+    """Refuse a state file without what a resume reads from it (step, fingerprint, scheduler state)."""
+    where = f"{ckpt / STATE_FILE}"
+    if not isinstance(state, dict):
+        raise MarsError(f"{where}: expected a JSON object, got {type(state).__name__}; {_refusal(ckpt)}")
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise MarsError(f"{where}: 'step' missing or not an integer >= 0; {_refusal(ckpt)}")
+    for key in ("fingerprint", "scheduler"):
+        if not isinstance(state.get(key), dict):
+            raise MarsError(f"{where}: {key!r} missing or not an object (written by an older trainer?); "
+                            f"{_refusal(ckpt)}")
+
+
+def check_step_checkpoint(ckpt: Path) -> None:
     """Refuse a step checkpoint that holds anything but what this trainer writes, in a form that loads
-    without running code: the state file (JSON: step, fingerprint, scheduler state), safetensors
-    weights, and torch files (optimizer state, RNG states) that load with ``weights_only=True``.
+    without running code: the state file (JSON, checked by :func:`_check_state`), safetensors weights,
+    and torch files (optimizer state, RNG states) that load with ``weights_only=True``.
 
     A crafted pickle (one that would run code when unpickled) fails the weights-only load here, before
-    accelerate reads anything; an unexpected file is refused whatever it holds.
+    accelerate reads anything; an unexpected file is refused whatever it holds, and a file named
+    ``.safetensors`` must have a safetensors header that covers it.
     """
     from accelerate.utils import load as weights_only_load  # torch.load(weights_only=True) + numpy RNG arrays
+    from safetensors import safe_open
 
-    refuse = f"refusing to resume from {ckpt} (--resume no starts over)"
-    if not isinstance(state.get("scheduler"), dict) or not isinstance(state.get("step"), int):
-        raise MarsError(f"{ckpt / STATE_FILE}: no step / scheduler state (written by an older trainer?); {refuse}")
+    refuse = _refusal(ckpt)
     for path in sorted(p for p in ckpt.rglob("*") if not p.is_dir()):
-        if path.name == STATE_FILE or path.suffix == ".safetensors":
+        if path.name == STATE_FILE:
+            continue
+        if path.suffix == ".safetensors" and not path.is_symlink():
+            try:
+                with safe_open(path, framework="pt"):  # reads and checks the header only
+                    pass
+            except Exception as err:  # SafetensorError (a bad or short header), OSError
+                raise MarsError(f"{path}: not a safetensors file ({_first_line(err)}); {refuse}") from None
             continue
         if path.is_symlink() or path.suffix not in TORCH_STATE_SUFFIXES:
             raise MarsError(f"{path}: not a file this trainer writes into a step checkpoint; {refuse}")
         try:
             weights_only_load(path, map_location="cpu", mmap=True)
         except Exception as err:  # UnpicklingError for a forbidden global; anything else is not ours either
-            reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-            raise MarsError(f"{path}: holds more than tensors and plain data ({reason}); {refuse}") from None
+            raise MarsError(f"{path}: holds more than tensors and plain data ({_first_line(err)}); {refuse}") from None
 
 
 def resume_from(resume: str, out: Path, fingerprint: dict, stage: str, main: bool) -> tuple[Path, dict] | None:
@@ -88,6 +116,7 @@ def resume_from(resume: str, out: Path, fingerprint: dict, stage: str, main: boo
     if ckpt is None:
         return None
     state = read_json(ckpt / STATE_FILE)
+    _check_state(ckpt, state)
     diff = ", ".join(k for k in fingerprint if state["fingerprint"].get(k) != fingerprint[k])
     if diff and resume != "auto":
         raise MarsError(f"cannot resume from {ckpt}: it belongs to a run with different {diff}; "
@@ -96,8 +125,18 @@ def resume_from(resume: str, out: Path, fingerprint: dict, stage: str, main: boo
         if main:
             print(f"train {stage}: not resuming {ckpt} (different {diff}); starting over", file=sys.stderr)
         return None
-    check_step_checkpoint(ckpt, state)
+    check_step_checkpoint(ckpt)
     return ckpt, state
+
+
+def load_scheduler_state(scheduler, ckpt: Path, state: dict) -> None:
+    """Restore ``scheduler`` from ``state``; one it cannot take (a key missing, a value of another type)
+    is refused in one line, not a traceback from torch."""
+    try:
+        scheduler.load_state_dict(state["scheduler"])
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise MarsError(f"{ckpt / STATE_FILE}: the scheduler state does not load ({type(err).__name__}: "
+                        f"{_first_line(err)}); {_refusal(ckpt)}") from None
 
 
 class _TiedWeightsNote(logging.Filter):

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from mars.training import suite
-from mars.core.atomic import atomic_dir, read_json
+from mars.core.atomic import JSON_ERRORS, atomic_dir, json_problem, read_json
 from mars.core.digest import sha256_tree
 from mars.errors import ConfigError, DataError
 
@@ -152,15 +152,15 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
                 continue
             try:
                 yield where, json.loads(line)
-            except json.JSONDecodeError as err:
-                yield where, Problem(where, "bad_json", str(err))
+            except JSON_ERRORS as err:
+                yield where, Problem(where, "bad_json", json_problem(err))
 
 
 def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         rows = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise DataError(f"{path}: not a JSON file ({err}); use .jsonl for one object per line") from None
+    except JSON_ERRORS as err:
+        raise DataError(f"{path}: not a JSON file ({json_problem(err)}); use .jsonl for one object per line") from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: expected a JSON list of objects at the top level")
     for i, row in enumerate(rows):

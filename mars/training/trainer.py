@@ -42,7 +42,7 @@ from mars.core.digest import sha256_chunks
 from mars.errors import ConfigError, DataError, MarsError
 from mars.core.loss import compute_loss
 from mars.core.models import has_bf16_units
-from mars.training.checkpoints import resume_from, save_final, save_step
+from mars.training.checkpoints import load_scheduler_state, resume_from, save_final, save_step
 from mars.training.launch import LaunchConfig
 from mars.training.metrics_log import MetricsLog, step_summary, write_summary
 
@@ -408,8 +408,8 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
     resumed = resume_from(resume, out, fingerprint, stage, main)
     if resumed is not None:
         ckpt, state = resumed
+        load_scheduler_state(scheduler, ckpt, state)  # first: a state it refuses stops before the weights load
         accelerator.load_state(str(ckpt))
-        scheduler.load_state_dict(state["scheduler"])
         start = int(state["step"])
     elif main and (out / "steps").exists():
         shutil.rmtree(out / "steps")  # a fresh run must never be resumed into later from stale steps
