@@ -97,6 +97,15 @@ def test_altered_or_short_objects_are_refused(store_uri, tmp_path):
         store.get_object("0" * 64, 1, tmp_path / "none.bin")
 
 
+@pytest.mark.parametrize("data, problem", [(b"{", "Expecting property name"), (b"[" * 100_000, "nested too deeply"),
+                                           (b'{"v": ' + b"9" * 5000 + b"}", "4300 digits")])
+def test_a_document_that_is_not_json_is_one_integrity_error_naming_it(tmp_path, data, problem):
+    store = open_store(str(tmp_path / "store"))
+    store.put_bytes("stages/mars/prod.json", data)
+    with pytest.raises(IntegrityError, match=rf"prod\.json: not valid JSON \(.*{problem}.*; corrupt document\)"):
+        store.get_json("stages/mars/prod.json")
+
+
 def test_unfinished_writes_are_invisible(tmp_path):
     store = open_store(StoreConfig(uri=f"file://{tmp_path / 'store'}"))
     src, digest = _file(tmp_path / "a.bin", 100)

@@ -42,7 +42,7 @@ import re
 import subprocess
 from pathlib import Path, PurePosixPath
 
-from mars.core.atomic import atomic_dir, read_json
+from mars.core.atomic import JSON_ERRORS, atomic_dir, json_problem, read_json
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.core.digest import is_sha256, sha256_bytes, sha256_file, sha256_tree
 from mars.errors import MarsError
@@ -417,8 +417,8 @@ def resolve_release(store: Store, name: str, stage: str | None = None,
                              "tampered or corrupt, refused")
     try:
         manifest = json.loads(data)
-    except ValueError:
-        raise IntegrityError(f"{store.where(key)}: not valid JSON (corrupt manifest)") from None
+    except JSON_ERRORS as err:
+        raise IntegrityError(f"{store.where(key)}: not valid JSON ({json_problem(err)}; corrupt manifest)") from None
     if not isinstance(manifest, dict) or manifest.get("name") != name or manifest.get("version") != version:
         raise IntegrityError(f"{store.where(key)}: manifest is not {name} {version}, refused")
     _manifest_files(manifest, store.where(key))

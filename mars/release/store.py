@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from mars.core.atomic import sweep_stale, temp_prefix
+from mars.core.atomic import JSON_ERRORS, json_problem, sweep_stale, temp_prefix
 from mars.core.digest import sha256_bytes, sha256_chunks, sha256_file
 from mars.errors import ConfigError, MarsError
 
@@ -225,8 +225,8 @@ class Store:
         data = self.get_bytes(key)
         try:
             doc = json.loads(data)
-        except ValueError:
-            raise IntegrityError(f"{self.where(key)}: not valid JSON (corrupt document)") from None
+        except JSON_ERRORS as err:
+            raise IntegrityError(f"{self.where(key)}: not valid JSON ({json_problem(err)}; corrupt document)") from None
         if not isinstance(doc, dict):
             raise IntegrityError(f"{self.where(key)}: expected a JSON object")
         return doc, sha256_bytes(data)
