@@ -187,9 +187,10 @@ def test_a_benchmark_the_baseline_cannot_score_on_is_reported_not_gated():
     d = Outcomes().add("mars", "hard", cand).add("ar_control", "hard", base) \
         .add("mars", "easy", good_c).add("ar_control", "easy", good_b).decide(at_tau1())
     assert d["passed"] and d["rule"]["gated_benchmarks"] == ["easy"]
-    hard = next(c for c in d["checks"] if c["name"] == "hard")
-    assert hard == {"name": "hard", "kind": "reported", "gated": False, "passed": None,
-                    "message": "hard: not gated: ar_control scores 0.120 < min_baseline_score 0.15"}
+    hard = next(c for c in d["checks"] if c["name"] == "hard")  # compared all the same, in the report
+    assert not hard["gated"] and hard["passed"] is None and hard["delta"] == pytest.approx(-0.1)
+    assert hard["note"] == "not gated: ar_control scores 0.120 < min_baseline_score 0.15"
+    assert d["rule"]["tests"] == 1 and "p_holm" not in hard
     only_hard = Outcomes().add("mars", "hard", cand).add("ar_control", "hard", base).decide(at_tau1())
     assert not only_hard["passed"] and "the gate cannot judge" in only_hard["failures"][0]
 

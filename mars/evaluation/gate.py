@@ -31,12 +31,18 @@ The decision names what it judged (``artifacts``): the sha256 of the candidate c
 ``mars evaluate`` recorded it in every entry (``checkpoint_sha256``, :func:`mars.core.digest.sha256_tree`),
 and, where the gate runs after the export, the sha256 of the export made from it; and the evidence it
 read (``evidence``: the metrics file and every per-item output, by sha256), from which ``mars promote``
-derives the decision again.
+derives the decision again (:func:`rederive`). Where the operator sets a key in ``MARS_GATE_KEY``, the
+decision is signed (``signature``: HMAC-SHA256 over its canonical JSON, :func:`sign`) and ``mars promote``
+refuses one without a valid signature (:func:`verify_signature`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -49,6 +55,8 @@ from mars.evaluation.metric_key import MetricKey, metric_key
 from mars.evaluation.paired import Paired, holm, min_detectable_drop, p_worse
 
 ItemScores = Callable[[str, str, float], "dict[str, float] | None"]
+KEY_ENV = "MARS_GATE_KEY"  # the operator's signing key: `mars gate` signs with it, `mars promote` verifies
+SIGNATURE_ALG = "hmac-sha256"
 
 
 @dataclass
@@ -107,7 +115,9 @@ class GateConfig:
     @classmethod
     def from_decision(cls, decision: dict) -> GateConfig:
         """The config a decision recorded (``decision["config"]``), to derive it again."""
-        recorded = dict(decision.get("config") or {})
+        if not isinstance(decision.get("config"), dict):
+            raise MarsError("the decision records no gate config (`config`)")
+        recorded = dict(decision["config"])
         try:
             recorded["override"] = Override(**(recorded.get("override") or {}))
             return cls(**recorded)
@@ -158,8 +168,9 @@ def decide(metrics: dict, cfg: GateConfig, item_scores: ItemScores | None = None
     names = cfg.benchmarks or sorted(benchmarks_at(cand) | set().union(*(benchmarks_at(b) for b in baselines)))
     if not names:
         missing("benchmarks", f"no benchmark has metrics for {cand} or {', '.join(baselines)} at tau={tau}")
-    # 1. which benchmarks the gate judges
+    # 1. which benchmarks the gate judges; the others are compared all the same, in the report
     gated: list[str] = []
+    ungated: dict[str, str] = {}  # benchmark -> why it is not gated
     for bench in names:
         absent = [metric_key(x, bench, tau) for x in (cand, *baselines) if entry(x, bench, tau) is None]
         if absent:
@@ -168,9 +179,8 @@ def decide(metrics: dict, cfg: GateConfig, item_scores: ItemScores | None = None
         low = {b: entry(b, bench, tau)["score"] for b in baselines
                if entry(b, bench, tau)["score"] < cfg.min_baseline_score}
         if low:
-            checks.append({"name": bench, "kind": "reported", "gated": False, "passed": None,
-                           "message": f"{bench}: not gated: " + ", ".join(f"{b} scores {s:.3f}" for b, s in low.items())
-                                      + f" < min_baseline_score {cfg.min_baseline_score}"})
+            ungated[bench] = ("not gated: " + ", ".join(f"{b} scores {s:.3f}" for b, s in low.items())
+                              + f" < min_baseline_score {cfg.min_baseline_score}")
         else:
             gated.append(bench)
     if names and not gated and not any(c["kind"] == "missing" for c in checks):
@@ -178,32 +188,36 @@ def decide(metrics: dict, cfg: GateConfig, item_scores: ItemScores | None = None
                               "the gate cannot judge (enable one a drop can show on)")
 
     # 2. and 5. per benchmark and on average, against each baseline (and the reported checkpoints)
-    cand_items = {bench: scores(cand, bench, tau) for bench in gated}
+    cand_items = {bench: scores(cand, bench, tau) if bench in gated else item_scores and item_scores(cand, bench, tau)
+                  for bench in gated + list(ungated)}
     first: dict[str, dict[str, float]] = {}
     average_tolerance = cfg.tolerance if cfg.average_tolerance is None else cfg.average_tolerance
     for other in baselines + [r for r in cfg.report_against if r not in baselines]:
-        gating = other in baselines
-        suffix = "" if len(baselines) == 1 and gating else f" vs {other}"
+        suffix = "" if len(baselines) == 1 and other in baselines else f" vs {other}"
         parts = []
-        for bench in gated:
+        for bench in gated + list(ungated):
+            gating = other in baselines and bench in gated
             if gating:
                 theirs = scores(other, bench, tau)
             else:  # a diagnostic: compared where it was evaluated, never a missing check
                 theirs = item_scores(other, bench, tau) if item_scores and entry(other, bench, tau) else None
             if cand_items[bench] is None or theirs is None:
                 continue
-            if other == baselines[0]:
+            if other == baselines[0] and gating:
                 first[bench] = theirs
             pair = Paired.of(cand_items[bench], theirs)
-            parts.append(pair)
             check = {"name": bench + suffix, "kind": "benchmark", "gated": gating, "baseline_name": other,
                      "benchmark": bench, "tau": tau, "candidate": entry(cand, bench, tau)["score"],
                      "baseline": entry(other, bench, tau)["score"]}
+            if bench in ungated:
+                check["note"] = ungated[bench]
+            else:
+                parts.append(pair)
             checks.append(check)
             tests.append((check, pair, cfg.tolerance))
         if len(parts) >= 2 and len(parts) == len(gated):
-            check = {"name": "average" + suffix, "kind": "average", "gated": gating, "baseline_name": other,
-                     "benchmarks": gated, "tau": tau,
+            check = {"name": "average" + suffix, "kind": "average", "gated": other in baselines,
+                     "baseline_name": other, "benchmarks": gated, "tau": tau,
                      "candidate": _mean([entry(cand, b, tau)["score"] for b in gated]),
                      "baseline": _mean([entry(other, b, tau)["score"] for b in gated])}
             checks.append(check)
@@ -370,8 +384,40 @@ def run_gate(metrics_path: str | Path, out: str | Path, cfg: GateConfig, eval_di
     decision["evidence"] = {"eval_dir": None if eval_dir is None else str(eval_dir),
                             "outputs": dict(sorted(evidence.read.items())) if evidence is not None else {}}
     decision["artifacts"] = judged_artifacts(metrics, metrics_path, cfg, export)
+    key = signing_key()
+    if key is not None:
+        decision["signature"] = sign(decision, key)
     write_json(out, decision)
     return decision
+
+
+def signing_key() -> str | None:
+    """The operator's signing key (``MARS_GATE_KEY``), or None where none is set."""
+    return os.environ.get(KEY_ENV) or None
+
+
+def _canonical(decision: dict) -> bytes:
+    """The bytes a signature covers: the decision without its signature, as canonical JSON."""
+    unsigned = {k: v for k, v in decision.items() if k != "signature"}
+    return json.dumps(unsigned, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign(decision: dict, key: str) -> dict:
+    """``decision``'s signature: HMAC-SHA256 with ``key`` over its canonical JSON (without the signature)."""
+    return {"alg": SIGNATURE_ALG,
+            "value": hmac.new(key.encode(), _canonical(decision), hashlib.sha256).hexdigest()}
+
+
+def verify_signature(decision: dict, key: str, where: str | Path) -> None:
+    """Raise unless ``decision`` carries a valid signature made with ``key`` (by `mars gate` with it set)."""
+    signature = decision.get("signature")
+    if not isinstance(signature, dict) or signature.get("alg") != SIGNATURE_ALG \
+            or not isinstance(signature.get("value"), str):
+        raise MarsError(f"{where}: the decision is not signed ({KEY_ENV} is set: only a decision `mars gate` "
+                        f"signed with that key is accepted)")
+    if not hmac.compare_digest(signature["value"], sign(decision, key)["value"]):
+        raise MarsError(f"{where}: the decision's signature does not verify with {KEY_ENV} (edited after "
+                        "`mars gate`, or signed with another key)")
 
 
 def rederive(decision: dict, where: str | Path, root: str | Path = ".") -> dict:
@@ -384,6 +430,11 @@ def rederive(decision: dict, where: str | Path, root: str | Path = ".") -> dict:
             recorded.get("outputs"), dict) or not isinstance(recorded.get("eval_dir"), str):
         raise MarsError(f"{where}: names no evidence (metrics and per-item outputs): not a decision `mars gate "
                         "--eval-dir` wrote")
+    gone = [root / metrics_path] + [root / recorded["eval_dir"] / rel for rel in recorded["outputs"]]
+    gone = [path for path in gone if not path.is_file()]
+    if gone:
+        raise MarsError(f"{gone[0]}: no such file, yet the gate decided on it ({len(gone)} file(s) of the "
+                        f"evidence {where} names are gone)")
     if sha256_file(root / metrics_path) != decision.get("metrics_sha256"):
         raise MarsError(f"{root / metrics_path}: not the metrics the gate decided on (sha256 differs)")
     cfg = GateConfig.from_decision(decision)
@@ -391,7 +442,9 @@ def rederive(decision: dict, where: str | Path, root: str | Path = ".") -> dict:
     again = decide(read_metrics(root / metrics_path), cfg, evidence)
     if set(evidence.read) != set(recorded["outputs"]):
         raise MarsError(f"{where}: its evidence lists other per-item outputs than its checks read")
-    for key in ("passed", "checks_passed", "overridden", "checks", "failures"):
+    # the verdict and checks first, then the rest the rule derives (override, speed_tau, rule, ...) but its input
+    verdict = ("passed", "checks_passed", "overridden", "checks", "failures")
+    for key in verdict + tuple(k for k in again if k not in verdict and k != "config"):
         if again[key] != decision.get(key):
             raise MarsError(f"{where}: {key!r} does not follow from its own evidence and rule (derived again: "
                             f"{str(again[key])[:120]}); refusing it")
