@@ -635,6 +635,18 @@ def test_cli_generate_json(smollm2_dir, tmp_path, capsys):
         generate_cli(argv)
 
 
+def test_a_prompts_file_line_bench_decode_cannot_read_is_one_line_naming_it(tmp_path):
+    from mars.decoding.speed import load_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "hi"}\n\n' + "[" * 100_000 + "\n")
+    with pytest.raises(MarsError, match=rf"{path}:3: not valid JSON \(nested too deeply\)"):
+        load_prompts(None, 4, prompts_file=str(path))
+    path.write_text('{"text": "hi"}\n')
+    with pytest.raises(MarsError, match=rf"{path}:1: no 'prompt' text"):
+        load_prompts(None, 4, prompts_file=str(path))
+
+
 def test_bench_reports_medians_speedups_and_ceiling_against_hf():
     from mars.decoding.speed import format_table, run
 

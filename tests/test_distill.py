@@ -84,6 +84,9 @@ def test_bad_sources_are_errors_naming_where(tmp_path):
     bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "no prompt column"}) + "\n")
     with pytest.raises(DataError, match=r"bad.jsonl:2: no text in column 'prompt'"):
         distill.build_pool(config(builtin=BuiltinSource(n=0), jsonl=JsonlSource(path=str(bad))), TASKS)
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + "[" * 100_000 + "\n")  # past the JSON parser's depth
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON \(nested too deeply\)"):
+        distill.build_pool(config(builtin=BuiltinSource(n=0), jsonl=JsonlSource(path=str(bad))), TASKS)
     twice = tmp_path / "twice.jsonl"
     twice.write_text((json.dumps({"prompt": "a", "id": "x"}) + "\n") * 2)
     with pytest.raises(DataError, match="prompt ids repeat.*'x'"):

@@ -188,6 +188,14 @@ def test_corrupt_export_is_refused(exported, tmp_path):
         read_manifest(copy)
 
 
+@pytest.mark.parametrize("text, message", [("[" * 100_000, r"not valid JSON \(nested too deeply\)"),
+                                           ("[1, 2]", r"not an export manifest \(no 'files' object\)")])
+def test_an_unreadable_export_manifest_is_one_line_naming_it(tmp_path, text, message):
+    (tmp_path / "manifest.json").write_text(text)
+    with pytest.raises(EngineError, match=rf"{tmp_path / 'manifest.json'}: {message}"):
+        read_manifest(tmp_path)
+
+
 def test_external_data_is_written_and_said_in_the_manifest(checkpoint, exported, tmp_path):
     manifest = export_checkpoint(checkpoint, tmp_path / "ext", ExportConfig(**CFG, external_data=True, tensorrt=False),
                                  log=lambda *_: None)

@@ -21,12 +21,12 @@ graph; :class:`OnnxBackend` keeps per-row prefix caches and serves the cached de
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from mars.core.atomic import read_json
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.core.digest import sha256_file
 from mars.errors import MarsError
@@ -84,10 +84,9 @@ def read_manifest(export_dir: str | Path, *, verify: bool = True) -> dict:
     path = export_dir / MANIFEST
     if not path.is_file():
         raise EngineError(f"{export_dir}: not an export directory (no {MANIFEST}); run `mars export` first")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise EngineError(f"{path}: not valid JSON ({err})") from None
+    manifest = read_json(path, error=EngineError)
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise EngineError(f"{path}: not an export manifest (no 'files' object)")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise EngineError(f"{path}: format_version {manifest.get('format_version')!r}, this runtime reads {FORMAT_VERSION}")
     if verify:

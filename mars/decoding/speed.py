@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from mars.core.atomic import JSON_ERRORS, json_problem
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.decoding.generate import encode_prompts, generate, stop_token_ids_of
 from mars.errors import MarsError
@@ -45,6 +46,16 @@ DEFAULT_PROMPTS = [
 ]
 
 
+def _jsonl_prompt(path: Path, line_no: int, line: str) -> str:
+    try:
+        row = json.loads(line)
+    except JSON_ERRORS as err:
+        raise MarsError(f"{path}:{line_no}: not valid JSON ({json_problem(err)})") from None
+    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+        raise MarsError(f"{path}:{line_no}: no 'prompt' text")
+    return row["prompt"]
+
+
 def load_prompts(tokenizer, count: int, *, data_dir: str | None = None, prompts_file: str | None = None
                  ) -> list[list[int]]:
     """``count`` prompts (cycled when there are fewer): the held-out prompts of prepared data, a prompt file
@@ -58,8 +69,8 @@ def load_prompts(tokenizer, count: int, *, data_dir: str | None = None, prompts_
         path = Path(prompts_file)
         if not path.is_file():
             raise MarsError(f"{path}: no such prompts file")
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        texts = [json.loads(line)["prompt"] if path.suffix == ".jsonl" else line for line in lines]
+        lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+        texts = [_jsonl_prompt(path, n, line) if path.suffix == ".jsonl" else line for n, line in lines]
         prompts = encode_prompts(tokenizer, texts)
     else:
         prompts = encode_prompts(tokenizer, DEFAULT_PROMPTS)

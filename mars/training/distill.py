@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from mars.core.atomic import atomic_dir, read_json, write_json, write_jsonl
+from mars.core.atomic import JSON_ERRORS, atomic_dir, json_problem, read_json, write_json, write_jsonl
 from mars.core.digest import sha256_chunks
 from mars.errors import ConfigError, DataError, MarsError
 from mars.training.tasks import TasksConfig
@@ -146,8 +146,8 @@ def _jsonl(src: JsonlSource) -> list[Prompt]:
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({err})") from None
+            except JSON_ERRORS as err:
+                raise DataError(f"{path}:{line_no}: not valid JSON ({json_problem(err)})") from None
             prompt = row.get(src.prompt_column) if isinstance(row, dict) else None
             if not isinstance(prompt, str) or not prompt.strip():
                 raise DataError(f"{path}:{line_no}: no text in column {src.prompt_column!r}")
