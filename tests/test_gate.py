@@ -4,6 +4,7 @@ one-sided test per check, Holm over the checks, the minimum detectable drop of e
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import random
 from pathlib import Path
@@ -344,10 +345,36 @@ def test_a_decision_is_derived_again_from_the_evidence_it_names(tmp_path, monkey
         gate.rederive(loosened, "gate.json")  # a looser rule gives other checks than the ones recorded
     with pytest.raises(MarsError, match="names no evidence"):
         gate.rederive({"passed": True, "artifacts": {}}, "gate.json")
+    with pytest.raises(MarsError, match="'speed_tau' does not follow"):  # whatever the rule derives, not only the verdict
+        gate.rederive({**decision, "speed_tau": 0.5}, "gate.json")
+    Path("eval.json").rename("moved.json")
+    with pytest.raises(MarsError, match=r"^eval\.json: no such file, yet the gate decided on it"):
+        gate.rederive(decision, "gate.json")
+    Path("moved.json").rename("eval.json")
     outputs = Path("eval/mars/a/tau=1.0.jsonl")
     outputs.write_text(outputs.read_text().replace('"score": 0.0', '"score": 1.0', 10))
     with pytest.raises(MarsError, match="not the per-item outputs the gate decided on"):
         gate.rederive(decision, "gate.json")
+
+
+def test_the_decision_is_signed_where_the_operator_sets_a_key(tmp_path, monkeypatch):
+    cand, base = loses(100, lost=5, won=5, right=40)
+    eval_json, eval_dir = Outcomes().add("mars", "a", cand).add("ar_control", "a", base).write(tmp_path)
+    monkeypatch.delenv(gate.KEY_ENV, raising=False)
+    assert "signature" not in gate.run_gate(eval_json, tmp_path / "plain.json", at_tau1(), eval_dir=eval_dir)
+    monkeypatch.setenv(gate.KEY_ENV, "k")
+    gate.run_gate(eval_json, tmp_path / "gate.json", at_tau1(), eval_dir=eval_dir)
+    decision = json.loads((tmp_path / "gate.json").read_text())  # as promote reads it back
+    unsigned = {k: v for k, v in decision.items() if k != "signature"}
+    canonical = json.dumps(unsigned, sort_keys=True, separators=(",", ":")).encode()
+    assert decision["signature"] == {"alg": "hmac-sha256", "value": hmac.new(b"k", canonical, "sha256").hexdigest()}
+    gate.verify_signature(decision, "k", "gate.json")
+    with pytest.raises(MarsError, match="gate.json: the decision's signature does not verify with MARS_GATE_KEY"):
+        gate.verify_signature(decision, "other", "gate.json")
+    with pytest.raises(MarsError, match="gate.json: the decision's signature does not verify"):
+        gate.verify_signature({**decision, "passed": not decision["passed"]}, "k", "gate.json")
+    with pytest.raises(MarsError, match=r"gate.json: the decision is not signed \(MARS_GATE_KEY is set"):
+        gate.verify_signature(unsigned, "k", "gate.json")
 
 
 # ---- on real evaluations of tiny checkpoints --------------------------------------------------------
