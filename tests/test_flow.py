@@ -108,33 +108,34 @@ profiles:
   tiny: {}
 """
 
+# What `mars evaluate` writes (metrics/eval.json and the per-item outputs under eval/), through
+# tests/gate_evidence.py (copied into the project): the candidate scores toy.score on every item, the baseline 1.0.
 TOY_EVAL = """\
-import json, sys
-from pathlib import Path
+import sys
 from mars.config import load_params
+from gate_evidence import write_evaluation
 toy = load_params("params.yaml")["toy"]
 if not isinstance(toy["score"], (int, float)):
     sys.exit(f"toy_eval: error: toy.score must be a number, got {toy['score']!r}")
 print(f"evaluated: score={toy['score']}", flush=True)
-Path("metrics").mkdir(exist_ok=True)
-Path("metrics/eval.json").write_text(json.dumps({"mars/toy/tau=1.0": {"score": toy["score"]}}))
+write_evaluation("metrics/eval.json", "eval", "checkpoints/mars/final", [float(toy["score"])] * 10, [1.0] * 10,
+                 benchmark="toy")
 """
 
-# The decision names what it judged (the toy's stand-in checkpoint and export), as `mars gate --export` does,
-# so that the flow's release step (a real `mars promote --stage prod`) accepts it.
+# The real gate on that evaluation, as `mars gate --export` runs it: the decision names what it judged and
+# the evidence it read, so that the flow's release step (a real `mars promote --stage prod`) derives it again
+# and accepts it. The toy's bar: the candidate may trail the baseline's 1.0 by 1 - threshold, so it passes
+# where score >= threshold and fails otherwise (every item moves by the same amount: no noise).
 TOY_GATE = """\
-import json, sys
+import sys
 from mars.config import load_params
-from mars.core.digest import sha256_tree
+from mars.evaluation.gate import run_gate
+from gate_evidence import config
 toy = load_params("params.yaml")["toy"]
-score = json.load(open("metrics/eval.json"))["mars/toy/tau=1.0"]["score"]
-ok = score >= toy["threshold"]
-artifacts = {"checkpoint": {"name": "mars", "sha256": sha256_tree("checkpoints/mars/final")},
-             "export": {"path": "exports/mars", "sha256": sha256_tree("exports/mars")}}
-json.dump({"passed": ok, "failures": [] if ok else [f"score {score} < threshold {toy['threshold']}"],
-           "artifacts": artifacts}, open("metrics/gate.json", "w"))
-print("gate passed" if ok else "gate FAILED", flush=True)
-sys.exit(0 if ok else 1)
+decision = run_gate("metrics/eval.json", "metrics/gate.json", config(tolerance=1.0 - toy["threshold"]),
+                    eval_dir="eval", export="exports/mars")
+print("gate passed" if decision["passed"] else "gate FAILED", flush=True)
+sys.exit(0 if decision["passed"] else 1)
 """
 
 # Fails on its first attempt in a project (a flaky network upload), succeeds after: retries must absorb it.
@@ -159,12 +160,13 @@ stages:
     outs: [base.json]
   evaluate:
     cmd: python toy_eval.py
-    deps: [base.json, toy_eval.py]
+    deps: [base.json, toy_eval.py, gate_evidence.py, checkpoints/mars/final]
     params: [profile, "profiles.${profile}", toy.score]
     metrics: [metrics/eval.json: {cache: false}]
+    outs: [eval]
   gate:
     cmd: python toy_gate.py
-    deps: [metrics/eval.json, toy_gate.py]
+    deps: [metrics/eval.json, eval, toy_gate.py, gate_evidence.py, exports/mars]
     params: [toy.threshold]
     metrics: [metrics/gate.json: {cache: false}]
   promote:
@@ -181,7 +183,8 @@ def toy(tmp_path) -> Path:
     root = tmp_path / "toy"
     root.mkdir()
     for name, text in {"params.yaml": TOY_PARAMS, "dvc.yaml": TOY_DVC, "toy_eval.py": TOY_EVAL,
-                       "toy_gate.py": TOY_GATE, "toy_promote.py": TOY_PROMOTE}.items():
+                       "toy_gate.py": TOY_GATE, "toy_promote.py": TOY_PROMOTE,
+                       "gate_evidence.py": (Path(__file__).parent / "gate_evidence.py").read_text()}.items():
         (root / name).write_text(text)
     stand_in = make_inputs(tmp_path / "stand_in", "toy")  # what `mars promote` ships: a fake checkpoint + export
     for kind, dest in (("checkpoint", "checkpoints/mars/final"), ("export", "exports/mars")):
@@ -272,12 +275,13 @@ def test_failed_stage_stops_the_flow_with_its_error_and_a_rerun_resumes_there(pr
 def test_rejected_gate_ends_the_run_before_promote_with_a_clear_state(prefect_server, toy):
     state = run_flow(project_dir=str(toy), overrides=["toy.score=0.1"])
     assert state.is_failed() and state.name == "GateRejected"
-    assert "gate rejected the release" in state.message and "score 0.1 < threshold 0.5" in state.message
+    rejected = "toy: mars is worse than ar_control by 0.9000 +- 0.0000 (n 10, tolerance 0.5)"
+    assert "gate rejected the release" in state.message and rejected in state.message
     tasks = task_states(state)
     assert tasks["stage-gate"] == ["Failed"] and "stage-promote" not in tasks
     assert not (toy / "store" / "release.json").exists()
     report = artifact(state)
-    assert "gate REJECTED" in report and "score 0.1 < threshold 0.5" in report
+    assert "gate REJECTED" in report and rejected in report
 
 
 def test_invalid_override_fails_before_any_stage(prefect_server, toy):

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from gate_evidence import decide as gate_decide
 from s3_server import REPO, launch, use_server
 
 from mars.core.digest import sha256_tree
@@ -25,23 +26,24 @@ from mars.cli.store import main as store_cli
 from mars.release.promote import (IntegrityError, ReleaseError, list_releases, manifest_key, pointer_key, promote,
                           pull, rollback)
 from mars.core.atomic import temp_prefix
+from mars.evaluation.gate import Override, sign
 from mars.release.store import StoreConfig, StoreError, object_key, open_store
 
 MB = 1024 * 1024
 MARS = {"block_size": 4, "mask_token_id": 95, "objective": "mars", "w_ar": 1.0, "stage": "mars",
         "block_offset": "fixed", "base": "tiny"}
 PROD = {"stage": "prod", "by": "tester"}  # an explicit, recorded move of the production stage
-GATE = {"passed": True, "checks_passed": True, "overridden": False,
-        "override": {"enabled": False, "reason": "", "by": ""}, "candidate": "mars", "baseline": "ar_control",
-        "tau": 1.0, "speed_tau": 0.8, "checks": [{"name": "average", "value": 0.61, "limit": 0.58, "passed": True}]}
+SPEED_TAU = 0.8  # the gates here check the score at tau 0.8 too: a release's default tau
 
 
 def _bytes(seed: str, size: int) -> bytes:
     return hashlib.shake_256(seed.encode()).digest(size)
 
 
-def make_inputs(root: Path, seed: str, weights_size: int = 20_000, gate: dict = GATE) -> dict:
-    """A fake gate decision, MARS checkpoint and export of it, distinct per ``seed``."""
+def make_inputs(root: Path, seed: str, weights_size: int = 20_000, passing: bool = True,
+                override: Override | None = None) -> dict:
+    """A fake MARS checkpoint and export of it, distinct per ``seed``, and a real gate decision on them (an
+    evaluation that passes, or fails, under ``root``: tests/gate_evidence.py)."""
     ckpt, export = root / "checkpoint", root / "export"
     for d in (ckpt, export):
         d.mkdir(parents=True)
@@ -53,14 +55,8 @@ def make_inputs(root: Path, seed: str, weights_size: int = 20_000, gate: dict = 
     (export / "config.json").write_text(json.dumps({"mars": MARS}))
     (export / "manifest.json").write_text(json.dumps({"format_version": 1, "mars": MARS,
                                                       "checkpoint": {"sha256": sha256_tree(ckpt)}}))
-    (root / "gate.json").write_text(json.dumps(bind(gate, ckpt, export)))
-    return {"gate": root / "gate.json", "export": export, "checkpoint": ckpt}
-
-
-def bind(gate: dict, checkpoint: Path, export: Path) -> dict:
-    """``gate`` naming what it judged, as `mars gate --export` writes it."""
-    return {**gate, "artifacts": {"checkpoint": {"name": "mars", "sha256": sha256_tree(checkpoint)},
-                                  "export": {"path": str(export), "sha256": sha256_tree(export)}}}
+    gate = gate_decide(root, ckpt, export, passing=passing, speed_tau=SPEED_TAU, override=override)
+    return {"gate": gate, "export": export, "checkpoint": ckpt}
 
 
 def expected_tree(inputs: dict) -> dict[str, bytes]:
@@ -158,17 +154,17 @@ def test_promote_pull_history_and_rollback(store_uri, tmp_path):
 
 def test_promote_checks_gate_inputs_and_names_before_uploading(tmp_path):
     store = open_store(str(tmp_path / "store"))
-    failed = {**GATE, "passed": False, "checks_passed": False}
-    inputs = make_inputs(tmp_path / "f", "f", gate=failed)
+    inputs = make_inputs(tmp_path / "f", "f", passing=False)
     with pytest.raises(ReleaseError, match=rf"{inputs['gate']}: the gate did not pass"):
         promote(store, **inputs, **PROD, log=quiet)
     assert not (tmp_path / "store").exists()  # nothing uploaded
 
-    inputs["gate"].write_text(json.dumps({**json.loads(inputs["gate"].read_text()), "overridden": True,
-                                          "override": {"enabled": True, "reason": "hotfix", "by": "lead"}}))
+    # the same failing evaluation, overridden at the gate (`mars gate --override REASON --override-by WHO`)
+    gate_decide(tmp_path / "f", inputs["checkpoint"], inputs["export"], passing=False, speed_tau=SPEED_TAU,
+                override=Override(True, "hotfix", "lead"))
     promote(store, **inputs, **PROD, log=quiet)
     manifest = open_store(str(tmp_path / "store")).get_json(manifest_key("mars", "v1"))[0]
-    assert manifest["gate"]["override"]["by"] == "lead"
+    assert manifest["gate"]["override"]["by"] == "lead" and manifest["gate"]["overridden"] is True
 
     other = make_inputs(tmp_path / "o", "o")
     with pytest.raises(ReleaseError, match="made from a different checkpoint"):
@@ -349,10 +345,9 @@ def test_round_trip_of_a_real_model_through_s3(s3_server, monkeypatch, tmp_path)
     tokenizer.save_pretrained(ckpt)
     export_checkpoint(ckpt, tmp_path / "exports" / "mars",
                       ExportConfig(batch_size=2, window=8, max_context=64, tensorrt=False, latency_iters=1), log=quiet)
-    (tmp_path / "gate.json").write_text(json.dumps(bind(GATE, ckpt, tmp_path / "exports" / "mars")))
+    gate = gate_decide(tmp_path / "gate", ckpt, tmp_path / "exports" / "mars", speed_tau=SPEED_TAU)
 
-    promote(open_store(uri), gate=tmp_path / "gate.json", export=tmp_path / "exports" / "mars", checkpoint=ckpt,
-            **PROD, log=quiet)
+    promote(open_store(uri), gate=gate, export=tmp_path / "exports" / "mars", checkpoint=ckpt, **PROD, log=quiet)
     dest = tmp_path / "elsewhere" / "release"
     manifest = pull(open_store(uri), "mars", dest, log=quiet)
 
@@ -594,3 +589,84 @@ def test_a_sweep_the_store_refuses_does_not_stop_the_promote(tmp_path, monkeypat
     assert promote(store, **make_inputs(tmp_path / "a", "a"), **PROD, log=said.append)["version"] == "v1"
     assert said[0] == "warning: leftovers of killed uploads not swept: s3://bucket/objects/sha256: list uploads " \
                       "failed: access denied (AccessDenied)"
+
+
+# ---- issue 45: promote derives the gate's verdict again from the evidence the decision names ------------
+def refused(store, inputs: dict, decision: dict, match: str, where: Path) -> None:
+    """``decision`` written to ``where`` and promoted with ``inputs``' files is refused in one line."""
+    where.write_text(json.dumps(decision))
+    with pytest.raises(ReleaseError, match=match) as err:
+        promote(store, gate=where, export=inputs["export"], checkpoint=inputs["checkpoint"], **PROD, log=quiet)
+    assert "\n" not in str(err.value)
+
+
+def test_a_decision_whose_verdict_does_not_follow_from_its_evidence_is_refused(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    failed = make_inputs(tmp_path / "f", "f", passing=False)
+    decision, forged = json.loads(failed["gate"].read_text()), tmp_path / "forged.json"
+    follows = r"forged\.json: '{}' does not follow from its own evidence and rule"
+    refused(store, failed, {**decision, "passed": True}, follows.format("passed"), forged)
+    refused(store, failed, {**decision, "passed": True, "checks_passed": True, "failures": [],
+                            "checks": [{**c, "passed": True} for c in decision["checks"]]},
+            follows.format("passed"), forged)
+    # a hand-written decision: the two sha256s are plain file hashes anyone can compute
+    refused(store, failed, {"passed": True, "artifacts": decision["artifacts"]},
+            r"forged\.json: names no evidence", forged)
+    # an override added by hand: it counts only as the gate recorded it (in its config)
+    by_hand = {"enabled": True, "reason": "ship it", "by": "mallory"}
+    refused(store, failed, {**decision, "passed": True, "overridden": True, "override": by_hand},
+            follows.format("passed"), forged)
+    # a looser rule than the one the checks were made with (under which it would pass)
+    loose = {**decision["config"], "tolerance": 1.0, "max_score_drop": 1.0}
+    refused(store, failed, {**decision, "config": loose, "passed": True,
+                            "checks_passed": True, "failures": []}, follows.format("checks"), forged)
+
+    passed = make_inputs(tmp_path / "p", "p")
+    decision = json.loads(passed["gate"].read_text())
+    refused(store, passed, {**decision, "speed_tau": 0.1}, follows.format("speed_tau"), forged)  # a lower tau floor
+    assert not store.list("stages/")  # nothing was published
+    assert promote(store, **passed, **PROD, log=quiet)["version"] == "v1"
+
+
+def test_evidence_edited_or_gone_after_the_gate_is_refused(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    inputs = make_inputs(tmp_path / "a", "a")
+    outputs = tmp_path / "a" / "eval" / "mars" / "a" / "tau=1.0.jsonl"
+    original = outputs.read_bytes()
+    outputs.write_bytes(original.replace(b'"score": 0.0', b'"score": 1.0', 1))
+    with pytest.raises(ReleaseError, match=r"tau=1\.0\.jsonl: not the per-item outputs the gate decided on"):
+        promote(store, **inputs, **PROD, log=quiet)
+    outputs.unlink()
+    with pytest.raises(ReleaseError, match=r"tau=1\.0\.jsonl: no such file, yet the gate decided on it"):
+        promote(store, **inputs, **PROD, log=quiet)
+    outputs.write_bytes(original)
+    metrics = tmp_path / "a" / "eval.json"
+    metrics.write_text(metrics.read_text() + " ")
+    with pytest.raises(ReleaseError, match=r"eval\.json: not the metrics the gate decided on"):
+        promote(store, **inputs, **PROD, log=quiet)
+    assert not store.list("stages/")
+
+
+def test_with_a_signing_key_only_a_decision_the_gate_signed_promotes(tmp_path, monkeypatch):
+    store = open_store(str(tmp_path / "store"))
+    unsigned = make_inputs(tmp_path / "u", "u")  # the gate ran without a key
+    monkeypatch.setenv("MARS_GATE_KEY", "the operator's key")
+    with pytest.raises(ReleaseError, match=r"gate\.json: the decision is not signed \(MARS_GATE_KEY is set"):
+        promote(store, **unsigned, **PROD, log=quiet)
+
+    signed = make_inputs(tmp_path / "s", "s")
+    decision, forged = json.loads(signed["gate"].read_text()), tmp_path / "forged.json"
+    assert decision["signature"]["alg"] == "hmac-sha256"
+    bad = r"forged\.json: the decision's signature does not verify with MARS_GATE_KEY"
+    refused(store, signed, {**decision, "signature": sign(decision, "another key")}, bad, forged)
+    # a failing decision overridden by hand in its config too derives again: only the signature tells
+    failed = make_inputs(tmp_path / "f", "f", passing=False)
+    failing = json.loads(failed["gate"].read_text())
+    by_hand = {"enabled": True, "reason": "ship it", "by": "mallory"}
+    refused(store, failed, {**failing, "passed": True, "overridden": True, "override": by_hand,
+                            "config": {**failing["config"], "override": by_hand}}, bad, forged)
+    assert not store.list("stages/")
+
+    assert promote(store, **signed, **PROD, log=quiet)["version"] == "v1"
+    monkeypatch.delenv("MARS_GATE_KEY")  # without a key nothing changes: signed or not, a standing decision promotes
+    assert promote(store, **unsigned, **PROD, log=quiet)["version"] == "v2"

@@ -23,6 +23,7 @@ import openai
 import pytest
 import torch
 from conftest import tiny_model
+from gate_evidence import decide as gate_decide
 
 from mars.core.digest import sha256_tree
 from mars.decoding.batch import CachedBatch, DecodeRow
@@ -86,15 +87,10 @@ def publish(root: Path, store_uri: str, seed: int, *, broken: bool = False, spee
         mars = json.loads((ckpt / "config.json").read_text())["mars"]
         (export / "manifest.json").write_text(json.dumps({"format_version": 1, "mars": mars,
                                                           "checkpoint": {"sha256": sha256_tree(ckpt)}}))
-    gate = {"passed": True, "checks_passed": True, "overridden": False,
-            "override": {"enabled": False, "reason": "", "by": ""}, "candidate": "mars", "baseline": "ar_control",
-            "tau": 1.0, "speed_tau": speed_tau,
-            "checks": [{"name": "average", "value": 0.6, "limit": 0.58, "passed": True},
-                       {"name": "score_at_speed_tau", "value": 0.59, "limit": 0.58, "passed": True, "tau": speed_tau}],
-            "artifacts": {"checkpoint": {"name": "mars", "sha256": sha256_tree(ckpt)},
-                          "export": {"path": str(export), "sha256": sha256_tree(export)}}}
-    (root / "gate.json").write_text(json.dumps(gate))
-    promote(open_store(store_uri), gate=root / "gate.json", export=export, checkpoint=ckpt, by="test_serve",
+    # a real decision that passed, with its score check at speed_tau: the release's tau floor
+    gate = gate_decide(root / "gate", ckpt, export, speed_tau=speed_tau)
+    assert [c["passed"] for c in json.loads(gate.read_text())["checks"] if c["name"] == "score_at_speed_tau"] == [True]
+    promote(open_store(store_uri), gate=gate, export=export, checkpoint=ckpt, by="test_serve",
             name=NAME, stage="prod", tau=0.9, log=quiet)
 
 

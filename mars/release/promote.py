@@ -25,6 +25,12 @@ Stages: the pipeline's promote stage publishes to ``staging`` (:data:`STAGING`);
 stage (``store.stage``, ``prod``: what services pull) moves only by an explicit act, recorded with
 who did it, and never from inside a DVC experiment (:func:`guard_production`).
 
+What a promote trusts of the gate decision (:func:`gate_decision`): nothing it cannot check. The verdict
+is derived again from the evidence the decision names (the metrics and every per-item output, each by
+sha256) with the rule it recorded, so a flipped ``passed``, a hand-written decision or an override added
+by hand is refused; where ``MARS_GATE_KEY`` is set, the decision must carry the signature `mars gate`
+made with that key.
+
 A pulled release directory::
 
     DIR/release.json      the manifest (its sha256 is the pointer's manifest_sha256)
@@ -46,6 +52,7 @@ from mars.core.atomic import JSON_ERRORS, atomic_dir, json_problem, read_json
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.core.digest import is_sha256, sha256_bytes, sha256_file, sha256_tree
 from mars.errors import MarsError
+from mars.evaluation.gate import rederive, signing_key, verify_signature
 from mars.release.store import IntegrityError, NotFound, Store, StoreError, iter_files
 
 RELEASE_FORMAT = 1
@@ -92,13 +99,21 @@ def _now() -> str:
 
 
 # -- what goes into a release -----------------------------------------------------------------------
-def gate_decision(path: str | Path) -> dict:
+def gate_decision(path: str | Path, repo: str | Path = ".") -> dict:
     """The gate's decision file, if it allows promotion (``passed: true`` or an override recording reason
-    and who) and names what it judged: the sha256 of the checkpoint and of the export."""
+    and who), names what it judged (the sha256 of the checkpoint and of the export) and stands: its
+    verdict derived again from the evidence it names (paths relative to ``repo``) with the rule it
+    recorded (:func:`mars.evaluation.gate.rederive`), and, where ``MARS_GATE_KEY`` is set, signed with it."""
     path = Path(path)
     gate = read_json(path, "no gate decision: run `mars gate` first", ReleaseError)
     if not isinstance(gate, dict) or "passed" not in gate:
         raise ReleaseError(f"{path}: not a gate decision (no 'passed' key)")
+    key = signing_key()
+    if key is not None:
+        try:
+            verify_signature(gate, key, path)
+        except MarsError as err:
+            raise ReleaseError(f"{err}; refusing to promote") from None
     override = gate.get("override")
     overridden = isinstance(override, dict) and override.get("enabled") is True and \
         str(override.get("reason") or "").strip() and str(override.get("by") or "").strip()
@@ -111,6 +126,10 @@ def gate_decision(path: str | Path) -> dict:
             raise ReleaseError(f"{path}: the decision names no {kind} sha256, so it does not say what it judged "
                                "(a hand-written or older decision?); run `mars gate --export EXPORT` after "
                                "`mars evaluate` and `mars export`")
+    try:
+        rederive(gate, path, root=repo)
+    except MarsError as err:
+        raise ReleaseError(str(err)) from None
     return gate
 
 
@@ -238,7 +257,7 @@ def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: s
     _plain("release name", name), _plain("stage", stage)
     if not by or not by.strip():
         raise ReleaseError("promote: say who publishes (by)")
-    decision = gate_decision(gate)
+    decision = gate_decision(gate, repo)
     export, checkpoint = Path(export), Path(checkpoint)
     model = CheckpointInfo.read(checkpoint)
     block_size = model.block_size
