@@ -466,7 +466,7 @@ def test_a_dvc_experiment_publishes_to_staging_and_never_moves_prod(tmp_path):
                       (inputs["checkpoint"], "checkpoints/mars/final")):
         (root / dest).parent.mkdir(parents=True, exist_ok=True)
         src.rename(root / dest)
-    (root / "params.yaml").write_text(yaml.safe_dump({"store": {"uri": str(store_dir)}, "knob": 1}))
+    (root / "params.yaml").write_text(yaml.safe_dump({"store": {"uri": str(store_dir), "stage": "prod"}, "knob": 1}))
     deps = ["metrics/gate.json", "exports/mars", "checkpoints/mars/final"]
     dvc_yaml = {"stages": {"promote": {"cmd": stage["cmd"], "deps": deps, "params": ["store", "knob"]}}}
     (root / "dvc.yaml").write_text(yaml.safe_dump(dvc_yaml))
@@ -488,8 +488,29 @@ def test_a_dvc_experiment_publishes_to_staging_and_never_moves_prod(tmp_path):
     (root / "dvc.yaml").write_text(yaml.safe_dump(dvc_yaml))
     run = exp_run("-S", "knob=3")
     assert run.returncode != 0
-    assert "the production stage is not moved from a DVC experiment" in run.stdout + run.stderr
+    assert "stage prod: not moved from a DVC experiment" in run.stdout + run.stderr
     assert "stages/mars/prod.json" not in store.list("stages/")
+    # the params cannot say which stage is production: with store.stage set elsewhere, prod still does not move
+    run = exp_run("-S", "knob=4", "-S", "store.stage=prod2")
+    assert run.returncode != 0
+    assert "stage prod: not moved from a DVC experiment" in run.stdout + run.stderr
+    assert "stages/mars/prod.json" not in store.list("stages/")
+    assert store.get_json(pointer_key("mars", "staging"))[0]["version"] == "v1"
+
+
+def test_inside_a_dvc_experiment_promote_and_rollback_move_staging_only(tmp_path, monkeypatch):
+    store = open_store(str(tmp_path / "store"))
+    inputs = make_inputs(tmp_path / "a", "a")
+    assert promote(store, **inputs, **PROD, log=quiet)["version"] == "v1"
+    monkeypatch.setenv("DVC_EXP_NAME", "exp-1")
+    for stage in ("prod", "prod2", "canary"):
+        with pytest.raises(ReleaseError, match=rf"stage {stage}: not moved from a DVC experiment \(exp-1\)"):
+            promote(store, **inputs, stage=stage, by="exp", log=quiet)
+        with pytest.raises(ReleaseError, match=rf"stage {stage}: not moved from a DVC experiment \(exp-1\)"):
+            rollback(store, version="v1", stage=stage, by="exp", log=quiet)
+    assert promote(store, **inputs, stage="staging", by="exp", log=quiet)["version"] == "v1"
+    assert sorted(store.list("stages/")) == ["stages/mars/prod.json", "stages/mars/staging.json"]
+    assert store.get_json(pointer_key("mars", "prod"))[0]["moved_by"] == "tester"
 
 
 def test_the_same_gated_files_are_one_release_whichever_stage_gets_them(tmp_path):

@@ -28,7 +28,7 @@ def _promote_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the tokenizer files of the checkpoint)")
     parser.add_argument("--name", help="release name (default: store.name)")
     parser.add_argument("--stage", help="stage pointer to move (default: staging; the production stage, store.stage, "
-                                        "only when named here, and never inside `dvc exp run`)")
+                                        "only when named here; inside `dvc exp run` only staging)")
     parser.add_argument("--by", help="who publishes or rolls back, recorded in the release and the pointer "
                                      "(default: USER@HOST)")
     parser.add_argument("--tau", type=float, help="default decoding threshold recorded in the release "
@@ -38,7 +38,7 @@ def _promote_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str], verb: str = "promote") -> int:
-    from mars.release.promote import STAGING, guard_production, promote, pull, rollback
+    from mars.release.promote import STAGING, guard_experiment, promote, pull, rollback
     from mars.release.store import open_store
 
     parser = _pull_parser() if verb == "pull" else _promote_parser()
@@ -52,7 +52,7 @@ def main(argv: list[str], verb: str = "promote") -> int:
              version=args.version)
         return 0
     name, stage = args.name or cfg.name, args.stage or STAGING
-    guard_production(stage, production=cfg.stage)
+    guard_experiment(stage)  # inside `dvc exp run` only staging moves (promote and rollback check it too)
     by = args.by or f"{getpass.getuser()}@{socket.gethostname()}"
     if args.rollback:
         rollback(store, version=args.rollback, name=name, stage=stage, by=by)

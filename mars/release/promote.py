@@ -23,7 +23,8 @@ pointer, so no pointer ever lands on a release a pull would refuse.
 
 Stages: the pipeline's promote stage publishes to ``staging`` (:data:`STAGING`); the production
 stage (``store.stage``, ``prod``: what services pull) moves only by an explicit act, recorded with
-who did it, and never from inside a DVC experiment (:func:`guard_production`).
+who did it, and never from inside a DVC experiment: there a promote or rollback moves ``staging`` only,
+whatever the params say (:func:`guard_experiment`).
 
 What a promote trusts of the gate decision (:func:`gate_decision`): nothing it cannot check. The verdict
 is derived again from the evidence the decision names (the metrics and every per-item output, each by
@@ -154,13 +155,16 @@ def check_gated(decision: dict, gate: str | Path, checkpoint: Path, export: Path
                                "and gated, or evaluate and gate this one")
 
 
-def guard_production(stage: str, production: str) -> None:
-    """Experiments never move the production stage: inside ``dvc exp run`` (DVC_EXP_NAME set) it is refused."""
+def guard_experiment(stage: str) -> None:
+    """Experiments publish to :data:`STAGING` only: inside ``dvc exp run`` (DVC_EXP_NAME set) a promote or
+    rollback to any other stage is refused, whatever the params say (``store.stage`` is a param an
+    experiment can set, so it cannot tell which stage is production)."""
     experiment = os.environ.get("DVC_EXP_NAME")
-    if stage == production and experiment:
-        raise ReleaseError(f"stage {stage}: the production stage is not moved from a DVC experiment "
-                           f"({experiment}); publish to --stage {STAGING} and move {production} explicitly "
-                           f"(`mars promote --stage {production}` outside the experiment, or the scheduled flow)")
+    if experiment and stage != STAGING:
+        raise ReleaseError(f"stage {stage}: not moved from a DVC experiment ({experiment}): an experiment "
+                           f"publishes to {STAGING} only, whatever the params say; publish to --stage {STAGING} "
+                           "and move prod explicitly (`mars promote --stage prod` outside the experiment, or the "
+                           "scheduled flow)")
 
 
 def check_export(export: Path, checkpoint: Path, block_size: int) -> dict:
@@ -257,6 +261,7 @@ def promote(store: Store, *, gate: str | Path, export: str | Path, checkpoint: s
     _plain("release name", name), _plain("stage", stage)
     if not by or not by.strip():
         raise ReleaseError("promote: say who publishes (by)")
+    guard_experiment(stage)
     decision = gate_decision(gate, repo)
     export, checkpoint = Path(export), Path(checkpoint)
     model = CheckpointInfo.read(checkpoint)
@@ -366,6 +371,7 @@ def rollback(store: Store, *, version: str, by: str, name: str = "mars", stage: 
     its seal, and every object read back against the manifest. ``by`` is recorded in the pointer."""
     if not by or not by.strip():
         raise ReleaseError("rollback: say who moves the stage (by)")
+    guard_experiment(stage)
     try:
         manifest, data = resolve_release(store, name, version=version)
     except NotFound:
