@@ -560,4 +560,4 @@ def test_auto_precision_is_bf16_only_where_the_device_has_bf16_units(monkeypatch
     for units, expected in ((True, "bf16"), (False, "no")):
         monkeypatch.setattr(trainer, "has_bf16_units", lambda device, units=units: units)
         assert trainer._make_accelerator(trainer.TrainConfig(mixed_precision="auto")).mixed_precision == expected
-    assert trainer.TrainConfig().mixed_precision == "no"
+    assert trainer._make_accelerator(trainer.TrainConfig()).mixed_precision == "no"  # fp32, the default

@@ -108,7 +108,9 @@ class TrainConfig:
     grad_accum: int = 1
     group_by_length: bool = True  # batches of similar lengths (less padding); the order stays seeded
     max_grad_norm: float | None = 1.0
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "no"  # auto: bf16 where the device has bf16 units
+    # fp32 (accelerate's "no", which YAML and `dvc exp run -S` turn into false) | auto: bf16 where the device has
+    # bf16 units | bf16 | fp16
+    mixed_precision: Literal["fp32", "no", "auto", "bf16", "fp16"] = "fp32"
     attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
     save_every: int = 100  # optimizer steps between checkpoints
     keep_checkpoints: int = 2
@@ -309,7 +311,7 @@ def _make_accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    precision = cfg.mixed_precision
+    precision = "no" if cfg.mixed_precision == "fp32" else cfg.mixed_precision
     if precision == "auto":  # bf16 autocast without bf16 units is many times slower than fp32 (AVX2 CPUs)
         precision = "bf16" if has_bf16_units("cuda" if torch.cuda.is_available() else "cpu") else "no"
     # Each run sets its own precision. accelerate keeps one process-wide state and refuses a second
