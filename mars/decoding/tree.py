@@ -1,0 +1,245 @@
+"""Draft trees for lossless decoding (issue #43; DESIGN.md section 4): more than one draft per mask slot.
+
+The chain (:mod:`mars.decoding.accept`) drafts one token per mask slot, its top-1. A tree drafts the top-k
+tokens of each slot and keeps the most probable paths. Depth d of a tree holds candidates for the token
+d + 1 places after the **root**, the last accepted token; they come from the mask slot d + 1 of the step
+before (its mask d), so a tree is at most B - 1 deep. With n accepted tokens (root included), a node at
+depth d sits at position n + d.
+
+One forward verifies every node: a node attends to the accepted prefix, its ancestors and itself. The
+greedy token read at the root, or at a node whose draft held, is exact; the longest path whose every
+token equals the greedy token read at its parent is accepted, plus the greedy token read at its last node
+(the "bonus" token). Output = greedy AR, whatever the tree.
+
+**No draft-less steps**: the same forward carries a group of B - 1 masks after each node that can end the
+accepted path (the root included). Group entry j after a node at depth d sits at position n + d + 1 + j
+(the root's depth is -1) and sees the node's path and the group's earlier entries, so it predicts the
+token j + 2 places after that node: whichever path is accepted, the group after its last node holds the
+next tree's distributions. The chain places one group, after its last draft, so after a wrong draft the
+next step has no drafts (``masks="top"``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Collection, Sequence
+
+import torch
+
+from mars.errors import ConfigError
+
+ROOT = -1  # the root's index wherever a node index is expected
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How a tree is drawn from the mask slots' distributions.
+
+    ``top_k``: candidates per depth, the last entry for every deeper depth (``(1,)`` is the chain).
+    ``max_nodes``: the node budget, the most probable paths first (None: every top-k product).
+    ``masks``: where the mask groups go. ``"every"``: after the root and every node; ``"top"``: after the
+    end of the most probable path only (the chain's placement today); an int k: after the k nodes (root
+    included) most likely to end the accepted path, by the drafts' own probabilities.
+    """
+
+    top_k: tuple[int, ...] = (1,)
+    max_nodes: int | None = None
+    masks: str | int = "every"
+
+    def __post_init__(self):
+        object.__setattr__(self, "top_k", tuple(self.top_k))
+        if not self.top_k or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.top_k):
+            raise ConfigError(f"tree top_k: integers >= 1 per depth, got {self.top_k!r}")
+        if self.max_nodes is not None and (isinstance(self.max_nodes, bool) or not isinstance(self.max_nodes, int)
+                                           or self.max_nodes < 0):
+            raise ConfigError(f"tree max_nodes: an integer >= 0 or null, got {self.max_nodes!r}")
+        if self.masks not in ("every", "top") and (isinstance(self.masks, bool) or not isinstance(self.masks, int)
+                                                   or self.masks < 1):
+            raise ConfigError(f"tree masks: 'every', 'top' or an integer >= 1, got {self.masks!r}")
+
+    def k(self, depth: int) -> int:
+        return self.top_k[min(depth, len(self.top_k) - 1)]
+
+    @property
+    def label(self) -> str:
+        """``chain``, ``top2``, ``top3/16`` (budget), ``(3,2,1)``; ``+masks:top`` / ``+masks:4`` where not every."""
+        ks = self.top_k
+        name = "chain" if ks == (1,) else f"top{ks[0]}" if len(set(ks)) == 1 else str(ks).replace(" ", "")
+        if self.max_nodes is not None:
+            name += f"/{self.max_nodes}"
+        return name if self.masks == "every" else f"{name}+masks:{self.masks}"
+
+
+CHAIN = TreeShape((1,), masks="top")  # today's lossless mode: the top-1 drafts, masks after the last one
+
+
+@dataclass(frozen=True)
+class Tree:
+    """Draft tokens under the root. Nodes are listed parents first: ``parents[j] < j`` (or ROOT)."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    logp: tuple[float, ...]  # log-probability of the path to the node: the sum of its drafts' log-probabilities
+    groups: tuple[int, ...]  # the nodes followed by a mask group (ROOT: the root), in window order
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(0 if p == ROOT else depths[p] + 1)
+        return tuple(depths)
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from depth 0 down to ``node`` (empty for the root)."""
+        out = []
+        while node != ROOT:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def ancestors(self) -> torch.Tensor:
+        """``[N, N]`` bool: ``[j, i]`` is True where node i is node j or one of its ancestors."""
+        n = len(self)
+        out = torch.eye(n, dtype=torch.bool)
+        for j, p in enumerate(self.parents):
+            if p != ROOT:
+                out[j] |= out[p]  # parents come first: row p is complete
+        return out
+
+    def group_of(self, node: int) -> int | None:
+        """Index in ``groups`` of the mask group after ``node`` (ROOT: the root); None where it has none."""
+        return self.groups.index(node) if node in self.groups else None
+
+
+ROOT_ONLY = Tree((), (), (), (ROOT,))  # no drafts: the root and its mask group (the first step, or after a miss)
+
+
+def build_tree(logp: torch.Tensor, shape: TreeShape) -> Tree:
+    """The tree of ``shape`` from the log-probabilities ``logp [D, V]`` of depths 0..D-1 (D <= B - 1: the
+    caller cuts it to the room left): the most probable paths (sum of log-probabilities) among the top-k
+    candidates per depth, up to the node budget. Children of a node come most probable first, so the chain
+    ``(1,)`` is each depth's greedy token (the lowest index on ties, as the greedy pick).
+
+    Best-first: a node enters only after its parent and its more probable siblings, so the kept set is
+    always a tree; the heap holds one candidate per open sibling list and per node's first child.
+    """
+    depth, vocab = logp.shape
+    if depth == 0 or shape.max_nodes == 0:
+        return ROOT_ONLY
+    ks = [min(shape.k(d), vocab) for d in range(depth)]
+    ranked = torch.sort(logp.float(), dim=-1, descending=True, stable=True)
+    values = ranked.values[:, : max(ks)].tolist()
+    ids = ranked.indices[:, : max(ks)].tolist()
+    budget = math.inf if shape.max_nodes is None else shape.max_nodes
+    tokens: list[int] = []
+    parents: list[int] = []
+    logps: list[float] = []
+    # heap entry: (-path logp, tie-break, parent node, parent's path logp, depth, rank among the siblings)
+    heap = [(-values[0][0], 0, ROOT, 0.0, 0, 0)]
+    pushed = 1
+    while heap and len(tokens) < budget:
+        neg, _, parent, base, d, r = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(ids[d][r])
+        parents.append(parent)
+        logps.append(-neg)
+        if r + 1 < ks[d]:  # the next sibling
+            heapq.heappush(heap, (-(base + values[d][r + 1]), pushed, parent, base, d, r + 1))
+            pushed += 1
+        if d + 1 < depth:  # the first child
+            heapq.heappush(heap, (-(-neg + values[d + 1][0]), pushed, node, -neg, d + 1, 0))
+            pushed += 1
+    return Tree(tuple(tokens), tuple(parents), tuple(logps), _groups(parents, logps, shape.masks))
+
+
+def _groups(parents: list[int], logp: list[float], masks: str | int) -> tuple[int, ...]:
+    nodes = [ROOT, *range(len(parents))]
+    if masks == "every":
+        return tuple(nodes)
+    children: dict[int, list[int]] = {}
+    for j, p in enumerate(parents):
+        children.setdefault(p, []).append(j)
+    if masks == "top":  # follow the most probable child (listed first) down to a leaf
+        node = ROOT
+        while node in children:
+            node = children[node][0]
+        return (node,)
+
+    # P(the accepted path ends at X) = P(X holds) * P(none of its children holds), were the drafts'
+    # probabilities calibrated and independent: the estimate that ranks where masks pay.
+    def ending(node: int) -> float:
+        base = 0.0 if node == ROOT else logp[node]
+        held = sum(math.exp(logp[c] - base) for c in children.get(node, ()))
+        return math.exp(base) * max(0.0, 1.0 - held)
+
+    ranked = sorted(nodes, key=lambda x: -ending(x))  # stable: the root first, then node order, on ties
+    return tuple(sorted(ranked[:masks]))
+
+
+@dataclass(frozen=True, eq=False)
+class TreeWindow:
+    """What a step forwards after the root: the tree's nodes, then a group of ``B - 1`` masks after each
+    of ``tree.groups``. Every entry also sees the whole accepted prefix (the root included)."""
+
+    ids: torch.Tensor  # [T] node tokens, then the mask groups
+    depth: torch.Tensor  # [T] position - n (n accepted tokens): a node's depth; group entry j after X: depth(X) + 1 + j
+    allowed: torch.Tensor  # [T, T] bool: entry q may attend to entry k
+    group_start: tuple[int, ...]  # window index of each group's first mask
+
+
+def tree_window(tree: Tree, masks_per_group: int, mask_id: int) -> TreeWindow:
+    """The window of ``tree`` with ``masks_per_group`` (B - 1) masks per group: a node sees its ancestors
+    and itself; a group entry sees its node's path and the group's entries up to itself."""
+    n, m = len(tree), masks_per_group
+    width = n + m * len(tree.groups)
+    depths = tree.depths
+    ids = torch.full((width,), mask_id, dtype=torch.long)
+    ids[:n] = torch.tensor(tree.tokens, dtype=torch.long)
+    depth = torch.zeros(width, dtype=torch.long)
+    depth[:n] = torch.tensor(depths, dtype=torch.long)
+    allowed = torch.zeros(width, width, dtype=torch.bool)
+    ancestors = tree.ancestors()
+    allowed[:n, :n] = ancestors
+    starts = []
+    for g, node in enumerate(tree.groups):
+        s = n + g * m
+        starts.append(s)
+        depth[s: s + m] = (ROOT if node == ROOT else depths[node]) + 1 + torch.arange(m)
+        if node != ROOT:
+            allowed[s: s + m, :n] = ancestors[node]
+        allowed[s: s + m, s: s + m] = torch.ones(m, m, dtype=torch.bool).tril()
+    return TreeWindow(ids, depth, allowed, tuple(starts))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one forward accepts for one row."""
+
+    tokens: tuple[int, ...]  # the verified drafts, then the greedy token read after them
+    node: int  # where the last token was read (ROOT or the last verified node): its mask group predicts what follows
+    stopped: bool  # the tokens end in a stop token
+
+
+def verify(tree: Tree, greedy: Sequence[int], stop_ids: Collection[int], room: int) -> Verdict:
+    """Accept the longest path of ``tree`` whose every token is the greedy token read at its parent, plus
+    the greedy token read at its last node. ``greedy[0]`` is read at the root, ``greedy[1 + j]`` at node j
+    (entries of nodes off the accepted path are never used). Nothing is taken after a stop token, and at
+    most ``room`` tokens (>= 1)."""
+    children = {(p, t): j for j, (p, t) in enumerate(zip(tree.parents, tree.tokens))}
+    node, read_at, tokens = ROOT, ROOT, []
+    while len(tokens) < room:
+        token = int(greedy[node + 1])
+        tokens.append(token)
+        read_at = node
+        if token in stop_ids:
+            return Verdict(tuple(tokens), read_at, True)
+        child = children.get((node, token))
+        if child is None:
+            break  # no draft is the greedy token: it is the bonus token
+        node = child
+    return Verdict(tuple(tokens), read_at, False)

@@ -1,0 +1,288 @@
+"""mars.decoding.tree (issue #43): draft trees from the mask slots, their attention mask, their verification,
+and the no-cache tree reference, which decodes exactly as HF greedy for any tree."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from mars.decoding.accept import greedy_tokens
+from mars.decoding.reference import decode_no_cache
+from mars.decoding.setting import Setting
+from mars.decoding.tree import CHAIN, ROOT, ROOT_ONLY, Tree, TreeShape, Verdict, build_tree, tree_window, verify
+from mars.decoding.tree_reference import decode_tree_no_cache, model_mask, window_mask
+from mars.errors import ConfigError
+
+VOCAB, MASK = 96, 95
+EOS_OF = {"llama": 63, "qwen2": 85}  # a token each random model emits for some prompts and not others
+ROOMS = [16, 5, 16, 9, 1, 16]
+
+
+def mars_model(arch="llama", attn="sdpa"):
+    """A random tiny model made confident (a plain random init puts ~1/V on every token)."""
+    model = tiny_model(arch, attn, vocab=VOCAB)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60)
+    model.generation_config.eos_token_id = EOS_OF[arch]
+    return model
+
+
+def random_prompts(lengths=(5, 1, 12, 3, 9, 17), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = [t for t in range(VOCAB) if t != MASK]
+    return [[ids[i] for i in torch.randint(0, len(ids), (n,), generator=g).tolist()] for n in lengths]
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    """HF generate, greedy with KV cache, one prompt; cut after EOS."""
+    eos = model.generation_config.eos_token_id
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+def tree_decode(model, prompts, block_size, shape, room):
+    return decode_tree_no_cache(model, prompts, block_size=block_size, shape=shape, room=room,
+                                stop_ids=[model.generation_config.eos_token_id], mask_id=MASK)
+
+
+def bits(rows):
+    return torch.tensor([[c == "1" for c in row.replace(" ", "")] for row in rows])
+
+
+# ------------------------------------------------------------------------------------------- the tree window
+
+# depth 0: nodes 0 (token 10) and 1 (11); node 2 (12) and 3 (13) under node 0; node 4 (14) under node 2
+HAND = Tree(tokens=(10, 11, 12, 13, 14), parents=(ROOT, ROOT, 0, 0, 2), logp=(0.0,) * 5, groups=(ROOT, 1, 4))
+
+
+def test_tree_mask_equals_a_hand_built_reference():
+    assert HAND.depths == (0, 0, 1, 1, 2) and HAND.path(4) == [0, 2, 4] and HAND.path(ROOT) == []
+    assert torch.equal(HAND.ancestors(), bits(["10000",
+                                               "01000",
+                                               "10100",
+                                               "10010",
+                                               "10101"]))
+    window = tree_window(HAND, 2, MASK)  # B = 3: two masks after the root, after node 1 and after node 4
+    assert window.ids.tolist() == [10, 11, 12, 13, 14] + [MASK] * 6
+    # a group's mask j after a node of depth d sits at depth d + 1 + j (the root's depth is -1)
+    assert window.depth.tolist() == [0, 0, 1, 1, 2] + [0, 1] + [1, 2] + [3, 4]
+    assert window.group_start == (5, 7, 9)
+    assert torch.equal(window.allowed, bits(["10000 00 00 00",
+                                             "01000 00 00 00",
+                                             "10100 00 00 00",
+                                             "10010 00 00 00",
+                                             "10101 00 00 00",
+                                             "00000 10 00 00",  # the root's group: the prefix only
+                                             "00000 11 00 00",
+                                             "01000 00 10 00",  # node 1's group: node 1's path
+                                             "01000 00 11 00",
+                                             "10101 00 00 10",  # node 4's group: nodes 0, 2, 4
+                                             "10101 00 00 11"]))
+    # after a prefix of n tokens: causal over the prefix, which every window entry sees
+    full = window_mask(window, 3)
+    assert torch.equal(full[:3, :3], torch.ones(3, 3, dtype=torch.bool).tril()) and not full[:3, 3:].any()
+    assert full[3:, :3].all() and torch.equal(full[3:, 3:], window.allowed)
+
+
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa")])
+def test_every_window_entry_reads_what_its_own_path_reads_causally(arch, attn):
+    """The mask and positions are right: a node's logits are those of prefix + its path in a plain causal
+    forward; a mask group's are those of prefix + its node's path + the masks."""
+    model = mars_model(arch, attn)
+    prefix = random_prompts((6,))[0]
+    window = tree_window(HAND, 2, MASK)
+    n = len(prefix)
+    ids = torch.tensor([prefix + window.ids.tolist()])
+    positions = torch.cat([torch.arange(n), n + window.depth])[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=positions,
+                       attention_mask=model_mask(model, window_mask(window, n)[None])).logits[0, n:]
+
+        def causal(tokens, last):
+            return model(input_ids=torch.tensor([prefix + tokens])).logits[0, -last:]
+
+        for j in range(len(HAND)):
+            path = [HAND.tokens[i] for i in HAND.path(j)]
+            torch.testing.assert_close(logits[j], causal(path, 1)[0], rtol=0, atol=1e-4)
+        for node, start in zip(HAND.groups, window.group_start):
+            path = [HAND.tokens[i] for i in HAND.path(node)]
+            torch.testing.assert_close(logits[start: start + 2], causal(path + [MASK, MASK], 2), rtol=0, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------- building a tree
+
+
+def _all_paths(logp, shape):
+    """Every path of the full top-k product with its log-probability (brute force)."""
+    ranked = logp.sort(-1, descending=True)
+    paths = [((), 0.0)]
+    out = []
+    for d in range(logp.shape[0]):
+        paths = [(p + (int(ranked.indices[d, r]),), lp + float(ranked.values[d, r]))
+                 for p, lp in paths for r in range(shape.k(d))]
+        out += paths
+    return out
+
+
+@pytest.mark.parametrize("top_k", [(2,), (3,), (3, 2, 1), (1, 4)])
+@pytest.mark.parametrize("budget", [1, 4, 7, 15, None])
+def test_a_tree_keeps_the_most_probable_paths_within_its_budget(top_k, budget):
+    logp = torch.randn(3, 12, generator=torch.Generator().manual_seed(sum(top_k) + (budget or 0))).log_softmax(-1)
+    shape = TreeShape(top_k, budget)
+    tree = build_tree(logp, shape)
+    paths = sorted(_all_paths(logp, shape), key=lambda p: -p[1])
+    expected = paths[: budget if budget is not None else len(paths)]
+    assert {tuple(tree.tokens[i] for i in tree.path(j)) for j in range(len(tree))} == {p for p, _ in expected}
+    assert all(p < j for j, p in enumerate(tree.parents))  # parents first: the window can be laid out in order
+    for j in range(len(tree)):
+        assert math.isclose(tree.logp[j], sum(float(logp[d, tree.tokens[i]]) for d, i in enumerate(tree.path(j))),
+                            abs_tol=1e-5)
+
+
+def test_the_chain_is_the_mask_slots_greedy_tokens_with_masks_after_the_last():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)) * 4
+    tree = build_tree(logits.log_softmax(-1), CHAIN)
+    assert list(tree.tokens) == greedy_tokens(logits).tolist()  # today's drafts
+    assert tree.parents == (ROOT, 0, 1) and tree.groups == (2,)
+    assert build_tree(logits[:1].log_softmax(-1), CHAIN).groups == (0,)
+    assert build_tree(logits[:0].log_softmax(-1), TreeShape((3,))) == ROOT_ONLY  # no room for drafts
+    assert build_tree(logits.log_softmax(-1), TreeShape((3,), max_nodes=0)) == ROOT_ONLY
+
+
+# p(token 0) = 0.6, p(1) = 0.3 at depth 0; p(0) = 0.7, p(1) = 0.2 at depth 1 (two more tokens share the rest)
+TWO_DEEP = torch.tensor([[0.6, 0.3, 0.05, 0.05], [0.7, 0.2, 0.05, 0.05]]).log()
+
+
+def test_mask_groups_go_after_every_node_the_top_path_or_the_likeliest_ends():
+    tree = build_tree(TWO_DEEP, TreeShape((2,)))
+    # most probable first: [0] .6, [0 0] .42, [1] .3, [1 0] .21, [0 1] .12, [1 1] .06
+    assert tree.tokens == (0, 0, 1, 0, 1, 1) and tree.parents == (ROOT, 0, ROOT, 2, 0, 2)
+    assert tree.groups == (ROOT, 0, 1, 2, 3, 4, 5)
+    assert build_tree(TWO_DEEP, TreeShape((2,), masks="top")).groups == (1,)  # the end of [0 0]
+    # the path ends at X with p(X) * (1 - p(X's children)): [0 0] .42, [1 0] .21, [0 1] .12, the root .1,
+    # [0] .06, [1] .03
+    assert build_tree(TWO_DEEP, TreeShape((2,), masks=3)).groups == (1, 3, 4)
+    assert build_tree(TWO_DEEP, TreeShape((2,), masks=4)).groups == (ROOT, 1, 3, 4)
+    budget = build_tree(TWO_DEEP, TreeShape((2,), max_nodes=3))
+    assert budget.tokens == (0, 0, 1) and budget.parents == (ROOT, 0, ROOT) and budget.groups == (ROOT, 0, 1, 2)
+
+
+@pytest.mark.parametrize("bad", [dict(top_k=()), dict(top_k=(0,)), dict(top_k=(2, True)), dict(max_nodes=-1),
+                                 dict(masks="all"), dict(masks=0)])
+def test_a_tree_shape_is_checked(bad):
+    with pytest.raises(ConfigError):
+        TreeShape(**bad)
+
+
+def test_shape_labels_name_the_columns_of_the_ceiling_table():
+    assert [s.label for s in (CHAIN, TreeShape(), TreeShape((3,), 16), TreeShape((3, 2), masks=4))] == \
+        ["chain+masks:top", "chain", "top3/16", "(3,2)+masks:4"]
+
+
+# ------------------------------------------------------------------------------------------- verification
+
+
+def _greedy(root, **at):
+    """Greedy tokens read at the root and at nodes n0..n5 of TWO_DEEP's tree (-1 where never read)."""
+    return [root] + [at.get(f"n{j}", -1) for j in range(6)]
+
+
+def test_verify_accepts_the_longest_path_the_greedy_tokens_take_and_the_token_after_it():
+    tree = build_tree(TWO_DEEP, TreeShape((2,)))  # nodes: [0] [0 0] [1] [1 0] [0 1] [1 1]
+    assert verify(tree, _greedy(1, n2=0, n3=7), (), 99) == Verdict((1, 0, 7), 3, False)  # [1 0] holds, 7 read after it
+    assert verify(tree, _greedy(5), (), 99) == Verdict((5,), ROOT, False)  # no draft holds: the root's token only
+    assert verify(tree, _greedy(0, n0=3), (), 99) == Verdict((0, 3), 0, False)  # [0] holds, [0 3] is no node
+    # nothing after a stop token, whether it is a draft ([1 0]) or the token read after the path
+    assert verify(tree, _greedy(1, n2=0, n3=7), {0}, 99) == Verdict((1, 0), 2, True)
+    assert verify(tree, _greedy(1, n2=0, n3=7), {7}, 99) == Verdict((1, 0, 7), 3, True)
+    # the room cuts the path: the last token is read at node [1]
+    assert verify(tree, _greedy(1, n2=0, n3=7), (), 2) == Verdict((1, 0), 2, False)
+    assert verify(ROOT_ONLY, [4], (), 1) == Verdict((4,), ROOT, False)
+
+
+# ------------------------------------------------------------------------------------------- decoding
+
+SHAPES = [CHAIN, TreeShape((1,)), TreeShape((2,), 6), TreeShape((3, 2), 10, masks=3),
+          TreeShape((VOCAB, 1), masks=2)]  # the last holds every token at depth 0: a draft holds every step
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tree_lossless_is_hf_greedy_token_for_token(arch):
+    model = mars_model(arch)
+    prompts = random_prompts()
+    greedy = [hf_greedy(model, p, max(ROOMS)) for p in prompts]
+    eos = EOS_OF[arch]
+    assert any(eos in g for g in greedy) and any(eos not in g for g in greedy)  # both endings are covered
+    expected = [g[:r] for g, r in zip(greedy, ROOMS)]
+    for block_size in (2, 4, 8):
+        for shape in SHAPES:
+            rows = tree_decode(model, prompts, block_size, shape, ROOMS)  # a ragged batch
+            assert rows.token_ids == expected, (block_size, shape)
+            assert rows.stopped == [eos in t for t in expected]
+            if shape == CHAIN:  # the chain tree is today's lossless reference, forward for forward
+                chain = decode_no_cache(model, prompts, slots=block_size, settings=[Setting(lossless=True)] * 6,
+                                        room=ROOMS, stop_ids=torch.tensor([eos]), mask_id=MASK)
+                assert (chain.token_ids, chain.forwards) == (rows.token_ids, rows.forwards), block_size
+            if shape.top_k[0] == VOCAB:  # drafts hold: the comparison covers verified paths and their groups
+                assert sum(map(len, expected)) > 1.3 * sum(rows.forwards), block_size
+            if block_size == 4 and arch == "llama" and shape != CHAIN:  # batch 1: each row as in the batch
+                alone = [tree_decode(model, [p], block_size, shape, [r]) for p, r in zip(prompts, ROOMS)]
+                assert [(a.token_ids[0], a.forwards[0]) for a in alone] == list(zip(rows.token_ids, rows.forwards))
+
+
+def test_tree_lossless_is_hf_greedy_with_eager_attention():
+    model = mars_model("llama", "eager")  # eager adds the mask: it needs the additive form
+    prompts = random_prompts()
+    expected = [hf_greedy(model, p, r) for p, r in zip(prompts, ROOMS)]
+    for shape in (TreeShape((2,), 6), TreeShape((VOCAB, 1), masks=2)):
+        assert tree_decode(model, prompts, 4, shape, ROOMS).token_ids == expected, shape
+
+
+A, B_, C = 10, 11, 12  # greedy cycles A -> B -> C -> A; every mask slot ranks A, B, C first, in that order
+
+
+def cycle_model():
+    """A hand-built Llama whose layer adds nothing (o_proj and down_proj are zero): the logits are a
+    function of the current token alone. A, B, C and the mask token get orthogonal embeddings; greedy
+    cycles A -> B -> C -> A, and a mask's top three are A, B, C, so its top-1 is right a third of the time
+    and its top-3 always."""
+    model = tiny_model("llama", vocab=VOCAB)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = model.lm_head.weight
+        head.zero_()
+        for dim, token in enumerate((A, B_, C, MASK)):
+            model.model.embed_tokens.weight[token] = torch.nn.functional.one_hot(torch.tensor(dim), 32).float()
+        head[B_, 0] = head[C, 1] = head[A, 2] = 2.0
+        head[A, 3], head[B_, 3], head[C, 3] = 0.5, 0.4, 0.3
+    model.generation_config.eos_token_id = 0  # never greedy here
+    return model
+
+
+def test_a_tree_accepts_more_tokens_per_forward_than_the_chain():
+    model = cycle_model()
+    prompt = [5, 7, C]  # greedy: A B C A B C ...
+    assert hf_greedy(model, prompt, 13) == ([A, B_, C] * 5)[:13]
+    forwards = {}
+    for shape in (CHAIN, TreeShape((1,)), TreeShape((2,)), TreeShape((3,), masks="top"), TreeShape((3,))):
+        rows = tree_decode(model, [prompt], 4, shape, [13])
+        assert rows.token_ids == [([A, B_, C] * 5)[:13]], shape
+        forwards[shape.label] = rows.forwards[0]
+    # B = 4, 13 tokens; the first forward has no drafts and takes one token
+    assert forwards == {
+        "chain+masks:top": 10,  # drafts A A A: after C one holds (2 tokens), else none; masks only after the third
+        "chain": 10,  # masks after every node do not help drafts that are wrong
+        "top2": 6,  # drafts from {A, B}: up to the next C, so 3 tokens a forward from C on
+        "top3+masks:top": 6,  # the true path always holds (4 tokens), but no mask group follows it: then 1
+        "top3": 4,  # 1 + 4 + 4 + 4: the true path holds every step and its mask group drafts the next
+    }
+    # the chain tree is today's lossless mode here too, where its drafts hold now and then
+    chain = decode_no_cache(model, [prompt], slots=4, settings=[Setting(lossless=True)], room=[13],
+                            stop_ids=torch.tensor([0]), mask_id=MASK)
+    assert chain.forwards == [10]
