@@ -299,6 +299,7 @@ FAST = [
     "train.sft.epochs=null", "train.sft.max_steps=12", "train.mars.epochs=null", "train.mars.max_steps=12",
     "train.save_every=5", "evaluate.taus=[1.0,0.9]", "evaluate.benchmarks.heldout.n=8",
     "evaluate.benchmarks.heldout.max_new_tokens=16", "export.latency_iters=2",
+    "gate.min_baseline_score=0.0",  # 12 steps score ~0: judged anyway (the real gate would say it cannot judge)
 ]
 
 

@@ -228,6 +228,16 @@ def test_the_speed_check_uses_the_same_rule():
         GateConfig(speed_tau=None, min_tokens_per_forward=1.5)
 
 
+def test_a_check_on_one_paired_item_cannot_judge_and_says_so():
+    cand, base = loses(100, lost=5, won=5, right=40)
+    o = Outcomes().add("mars", "a", cand).add("ar_control", "a", base).add("mars", "a", [1], tau=0.9)
+    d = o.decide(GateConfig(speed_tau=0.9, max_score_drop=0.05))
+    speed = d["checks"][-1]
+    assert not d["passed"] and speed["n"] == 1 and speed["se"] is None
+    assert "score_at_speed_tau: 1 paired item(s): too few to judge" in d["failures"]
+    assert "+- n/a (n 1" in gate_cli.check_line(speed)
+
+
 def test_missing_or_inconsistent_evidence_fails_instead_of_passing_silently():
     cand, base = loses(100, lost=5, won=5, right=40)
     o = Outcomes().add("mars", "a", cand).add("ar_control", "a", base).add("ar_control", "b", base)

@@ -14,15 +14,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The smollm2 profile, shrunk: 3 pool prompts x 2 families, 16-token answers, 2 steps, 2 verifier items x 2 families
 SHRINK = [
-    "profile=smollm2", "profiles.smollm2.tasks.n_train=3", "tasks.n_heldout=2",
+    "profile=smollm2", "profiles.smollm2.tasks.n_train=3",
     "profiles.smollm2.distill.max_new_tokens=16", "profiles.smollm2.distill.hit_limit=keep",
     "profiles.smollm2.distill.dtype=float32",  # fp32: greedy tokens do not depend on the batch, so tau=1 re-decodes them
     "profiles.smollm2.data.n_heldout=2",
     "profiles.smollm2.train.batch_size=2", "profiles.smollm2.train.mars.max_steps=2",
     "profiles.smollm2.evaluate.dtype=float32", "profiles.smollm2.evaluate.taus=[1.0,0.9]",
-    "profiles.smollm2.evaluate.benchmarks.heldout.max_new_tokens=16",
-    "profiles.smollm2.evaluate.benchmarks.reasoning.max_new_tokens=16",
-    "profiles.smollm2.evaluate.benchmarks.reasoning.options.families=[gcd,lcm]",
+    "profiles.smollm2.evaluate.sweep_n=1",
+    # the held-out split of the distilled data (off in the profile): the base must re-decode its own answers
+    "profiles.smollm2.evaluate.benchmarks.heldout={enabled: true, n: 0, max_new_tokens: 16}",
+    "profiles.smollm2.evaluate.benchmarks.reasoning_pool.max_new_tokens=16",
+    "profiles.smollm2.evaluate.benchmarks.reasoning_pool.options.families=[gcd]",
+    "profiles.smollm2.evaluate.benchmarks.reasoning_new.max_new_tokens=16",
+    "profiles.smollm2.evaluate.benchmarks.reasoning_new.options.families=[lcm]",
+    "profiles.smollm2.evaluate.benchmarks.gsm.n=2", "profiles.smollm2.evaluate.benchmarks.gsm.max_new_tokens=16",
+    "profiles.smollm2.evaluate.benchmarks.humaneval.n=2",
+    "profiles.smollm2.evaluate.benchmarks.humaneval.max_new_tokens=16",
+    "profiles.smollm2.tasks.n_heldout=2",
 ]
 
 
@@ -59,10 +67,15 @@ def test_shrunken_smollm2_study_runs_end_to_end(smollm2_dir, tmp_path, monkeypat
     base = metrics["sft/heldout/tau=1.0"]
     assert base["score"] == 1.0 and base["agree_exact"] == 1.0
     assert "ar_control/heldout/tau=0.9" not in metrics  # AR checkpoints run at tau = 1 only (ar_taus)
-    for key in ("mars/reasoning/tau=1.0", "mars/reasoning/tau=0.9", "ar_control/reasoning/tau=1.0"):
+    assert "ar_control/heldout/lossless" not in metrics and "mars/heldout/lossless" in metrics
+    for key in ("mars/reasoning_pool/tau=1.0", "mars/reasoning_new/tau=1.0", "ar_control/reasoning_pool/tau=1.0"):
         entry = metrics[key]
-        assert 0 <= entry["agree_exact"] <= 1 and entry["ref_logprob"] <= 0 and entry["n"] == 4
+        assert 0 <= entry["agree_exact"] <= 1 and entry["ref_logprob"] <= 0 and entry["n"] == 2
+    assert metrics["mars/reasoning_pool/tau=1.0"]["derived_from"] == "lossless"  # fp32: one decode for both
+    assert metrics["mars/gsm/tau=0.9"]["n"] == 1 and metrics["mars/gsm/tau=1.0"]["n"] == 2  # the sweep's subset
     decision = json.loads(Path("metrics/gate.json").read_text())
     assert gate == (0 if decision["passed"] else 1)
-    assert {c["baseline_name"] for c in decision["checks"] if c["kind"] == "benchmark"} == {"ar_control", "sft"}
-    assert all("paired_se" in c for c in decision["checks"] if c["kind"] == "benchmark")
+    compared = {(c["benchmark"], c["baseline_name"]) for c in decision["checks"] if c["kind"] == "benchmark"}
+    assert {("reasoning_pool", "ar_control"), ("reasoning_pool", "sft"), ("humaneval", "ar_control")} <= compared
+    assert not any(c["gated"] for c in decision["checks"] if c.get("baseline_name") == "sft")  # report_against
+    assert all("se" in c and "mdd" in c for c in decision["checks"] if c["kind"] == "benchmark")

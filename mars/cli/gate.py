@@ -19,8 +19,9 @@ def check_line(c: dict) -> str:
     if c.get("delta") is not None:
         p = f", p {c['p_holm']:.3g} (Holm)" if c.get("p_holm") is not None else ""
         detect = f", detects drops >= {c['mdd']:.4f}" if c.get("mdd") is not None else ""
+        se = "n/a" if c.get("se") is None else f"{c['se']:.4f}"  # under two paired items
         return (f"{verdict} {c['name']}: {c['candidate']:.4f} vs {c['baseline']:.4f}, paired delta {c['delta']:+.4f} "
-                f"+- {c['se']:.4f} (n {c['n']}{p}{detect}){'' if c['gated'] else ' [reported]'}")
+                f"+- {se} (n {c['n']}{p}{detect}){'' if c['gated'] else ' [reported]'}")
     if "value" in c:
         return f"{verdict} {c['name']}: {c['value']:.4f} (limit {c['limit']:.4f})"
     return f"{verdict} {c['name']}: {c.get('message') or ''}"
