@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_model
+from test_decoding import EOS_OF, MASK, VOCAB, mars_model, random_prompts
 
 from mars.decoding.accept import greedy_tokens
 from mars.decoding.reference import decode_no_cache
@@ -18,24 +19,7 @@ from mars.decoding.tree import CHAIN, ROOT, ROOT_ONLY, Tree, TreeShape, Verdict,
 from mars.decoding.tree_reference import decode_tree_no_cache, model_mask, window_mask
 from mars.errors import ConfigError
 
-VOCAB, MASK = 96, 95
-EOS_OF = {"llama": 63, "qwen2": 85}  # a token each random model emits for some prompts and not others
 ROOMS = [16, 5, 16, 9, 1, 16]
-
-
-def mars_model(arch="llama", attn="sdpa"):
-    """A random tiny model made confident (a plain random init puts ~1/V on every token)."""
-    model = tiny_model(arch, attn, vocab=VOCAB)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(60)
-    model.generation_config.eos_token_id = EOS_OF[arch]
-    return model
-
-
-def random_prompts(lengths=(5, 1, 12, 3, 9, 17), seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = [t for t in range(VOCAB) if t != MASK]
-    return [[ids[i] for i in torch.randint(0, len(ids), (n,), generator=g).tolist()] for n in lengths]
 
 
 def hf_greedy(model, prompt, max_new_tokens):
