@@ -4,7 +4,8 @@
 params.yaml and outputs stay the default profile's) and then calls this: the metrics (evaluation,
 gate, training losses), eval/report.md and its figures, the distillation manifest, the prepared
 data's stats, dvc.lock and the params every stage saw go to ``results/<profile>/``, next to
-``command.json`` (the exact command, the commit, the exit status, when). What is missing (a run that
+``command.json`` (the exact command, the commit, the exit status, when), and ``summary.md``, the headline
+(:mod:`mars.evaluation.gate_summary`) where the run got as far as its gate. What is missing (a run that
 stopped early) is listed there instead of copied, so the folder always says how far the run got.
 
 Only the paths a study writes are replaced: the benchmark outputs and the README that live beside them in
@@ -22,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from mars.evaluation import gate_summary
 
 # (path in the clone, path under results/<profile>/)
 COPIED = [
@@ -62,6 +65,11 @@ def collect(clone: Path, out: Path, *, profile: str, command: str, status: int) 
             missing.append(src)
             continue
         copied.append(dest)
+    _remove(out / "summary.md")
+    gate, metrics = clone / "metrics" / "gate.json", clone / "metrics" / "eval.json"
+    if gate.is_file() and metrics.is_file():  # the headline: the gate's checks and the speed at each tau
+        (out / "summary.md").write_text(gate_summary.render(json.loads(gate.read_text()), json.loads(metrics.read_text())))
+        copied.append("summary.md")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True).stdout.strip()
     resolved = subprocess.run([sys.executable, "-m", "mars.cli", "params"], cwd=clone, capture_output=True, text=True)
     if resolved.returncode == 0:

@@ -32,3 +32,27 @@ def test_collect_replaces_only_the_study_paths(tmp_path):
     assert not (out / "data_stats.json").exists() and "data/prepared/stats.json" in record["missing"]
     assert json.loads((out / "command.json").read_text())["copied"] == record["copied"]
     assert {"metrics", "report.md", "figures", "dvc.lock", "params.yaml"} <= set(record["copied"])
+
+
+def test_a_study_that_reached_its_gate_gets_its_headline(tmp_path):
+    from test_gate import GateConfig, Outcomes, loses
+
+    clone, out = tmp_path / "clone", tmp_path / "results" / "smollm2"
+    cand, base = loses(300, lost=30, won=12, right=100)
+    o = Outcomes().add("mars", "reasoning", cand).add("ar_control", "reasoning", base)
+    o.add("mars", "reasoning", cand[:64], tau=0.9, tokens_per_forward=1.5).add("mars", "reasoning", cand, tau=None,
+                                                                              tokens_per_forward=1.8)
+    decision = o.decide(GateConfig(speed_tau=0.9, max_score_drop=0.05, tolerance=0.0))
+    (clone / "metrics").mkdir(parents=True)
+    (clone / "metrics" / "eval.json").write_text(json.dumps(o.metrics))
+    (clone / "metrics" / "gate.json").write_text(json.dumps(decision))
+
+    record = results.collect(clone, out, profile="smollm2", command="infra/study.sh smollm2", status=1)
+
+    summary = (out / "summary.md").read_text()
+    assert "summary.md" in record["copied"] and "Gate **FAILED**: 2 test(s)" in summary
+    assert "| reasoning | ar_control | 300 | 43.3 | 37.3 | -6.0 +- " in summary  # 112 vs 130 items right
+    assert "| reasoning | lossless | 37.3 | 1.80 | 300 |" in summary and "| reasoning | 0.9 |" in summary
+    (clone / "metrics" / "gate.json").unlink()  # a run stopped before its gate: no headline, none left over
+    results.collect(clone, out, profile="smollm2", command="infra/study.sh smollm2", status=1)
+    assert not (out / "summary.md").exists()
