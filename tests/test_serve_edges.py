@@ -191,3 +191,20 @@ def test_the_drain_logs_its_outcome_without_a_logging_error(caplog, finishes, sa
     messages = [record.getMessage() for record in caplog.records]  # a bad format string raises here
     assert messages[0] == "shutting down: finishing 2 running and 1 waiting requests"
     assert messages[1].startswith(said) and len(messages) == 2
+
+
+def test_an_unexpected_error_is_a_json_500_and_the_connection_keeps_serving(server, monkeypatch, caplog):
+    from mars.serving import app
+
+    def broken(*_args):
+        raise RuntimeError("a bug nobody turned into an HTTP error")
+
+    with httpx.Client(base_url=server.url, timeout=60) as client:  # one keep-alive connection
+        with monkeypatch.context() as patch, caplog.at_level(logging.ERROR, logger="mars.serve"):
+            patch.setattr(app, "_prompt_ids", broken)
+            bad = client.post("/v1/chat/completions", json={"model": NAME, "messages": HI, "max_tokens": 3})
+        assert bad.status_code == 500 and bad.headers["content-type"] == "application/json"
+        assert bad.json()["error"]["code"] == "internal_error" and "a bug" not in bad.text  # no internals leak
+        assert any("a bug nobody turned" in r.exc_text for r in caplog.records if r.exc_text)
+        good = client.post("/v1/chat/completions", json={"model": NAME, "messages": HI, "max_tokens": 3})
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 3

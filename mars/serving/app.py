@@ -164,9 +164,39 @@ def _generation_request(req, engine: Engine, limits: Limits) -> GenerationReques
                              block_size=req.block_size)
 
 
+class InternalErrors:
+    """ASGI middleware: an exception no route turned into an HTTP error is answered as a JSON 500 in OpenAI's
+    shape and logged once. Starlette's own 500 handler re-raises to the server, which answered in text/plain
+    and dropped the keep-alive connection (the next request on it was reset). A stream that already started
+    cannot be answered again: its exception goes on to the server."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            if started:
+                raise
+            log.exception("internal error answering %s %s", scope.get("method"), scope.get("path"))
+            error = APIError(500, "internal error (logged by the server)", kind="server_error", code="internal_error")
+            await JSONResponse(error.body(), status_code=500)(scope, receive, send)
+
+
 def create_app(serving: Serving) -> FastAPI:
     app = FastAPI(title="mars serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
+    app.add_middleware(InternalErrors)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
