@@ -340,10 +340,6 @@ class Evidence:
             raise MarsError(f"{path}: a row without a numeric score and an id ({err})") from None
 
 
-def item_scores_from(eval_dir: str | Path) -> Evidence:
-    return Evidence(eval_dir)
-
-
 def evaluated_sha256(metrics: dict, checkpoint: str, where: str | Path) -> str:
     """The sha256 of the checkpoint ``mars evaluate`` evaluated as ``checkpoint`` (one value in all its entries)."""
     found = {e.get("checkpoint_sha256") for k, e in metrics.items() if MetricKey.parse(k).checkpoint == checkpoint}
