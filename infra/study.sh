@@ -14,6 +14,15 @@ profile=${1:?usage: infra/study.sh PROFILE [NAME -S KEY=VALUE ...]}
 name=${2:-$profile}
 shift $(( $# >= 2 ? 2 : 1 ))
 root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
+# the project's venv (make install) when dvc is not on PATH; checked before anything runs, so a missing
+# tool cannot end a study whose collection would then replace the last results with nothing
+if ! command -v dvc > /dev/null && [ -x "$root/.venv/bin/dvc" ]; then
+  PATH="$root/.venv/bin:$PATH"
+fi
+if ! command -v dvc > /dev/null; then
+  echo "infra/study.sh: dvc not found: run \`make install\` (it makes $root/.venv) or put dvc on PATH" >&2
+  exit 127
+fi
 work=$root/build/study-$name
 if [ ! -d "$work/.git" ]; then
   git clone -q "$root" "$work" || exit 1

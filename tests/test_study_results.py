@@ -56,3 +56,22 @@ def test_a_study_that_reached_its_gate_gets_its_headline(tmp_path):
     (clone / "metrics" / "gate.json").unlink()  # a run stopped before its gate: no headline, none left over
     results.collect(clone, out, profile="smollm2", command="infra/study.sh smollm2", status=1)
     assert not (out / "summary.md").exists()
+
+
+def test_a_study_without_dvc_stops_before_it_touches_anything(tmp_path):
+    # it once ran on, failed at `dvc exp run`, and its collection replaced the last results with nothing
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    repo = tmp_path / "project"
+    (repo / "infra").mkdir(parents=True)
+    shutil.copy2(Path(__file__).resolve().parents[1] / "infra" / "study.sh", repo / "infra" / "study.sh")
+    (repo / "results" / "smollm2").mkdir(parents=True)
+    (repo / "results" / "smollm2" / "report.md").write_text("the last study's report")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    run = subprocess.run(["bash", "infra/study.sh", "smollm2"], cwd=repo, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert run.returncode == 127 and "dvc not found: run `make install`" in run.stderr
+    assert (repo / "results" / "smollm2" / "report.md").read_text() == "the last study's report"
+    assert not (repo / "build").exists()
