@@ -13,11 +13,14 @@ from conftest import tiny_model
 from test_decoding import EOS_OF, MASK, VOCAB, mars_model, random_prompts
 
 from mars.decoding.accept import greedy_tokens
+from mars.decoding.batch import CachedBatch, DecodeRow
+from mars.decoding.generate import decode_cached, generate
 from mars.decoding.reference import decode_no_cache
 from mars.decoding.setting import Setting
 from mars.decoding.tree import CHAIN, ROOT, ROOT_ONLY, Tree, TreeShape, Verdict, build_tree, tree_window, verify
+from mars.decoding.torch_backend import TorchBackend
 from mars.decoding.tree_reference import decode_tree_no_cache, model_mask, window_mask
-from mars.errors import ConfigError
+from mars.errors import ConfigError, MarsError
 
 ROOMS = [16, 5, 16, 9, 1, 16]
 
@@ -290,3 +293,148 @@ def test_the_teacher_forced_ceiling_simulates_the_reference_forward_for_forward(
             forced = [force(model, p, t, r, 4, MASK, max(shape.top_k)) for p, t, r in zip(prompts, rows.token_ids, rooms)]
             simulated = [simulate(f, shape, 4, stops, VOCAB)[:2] for f in forced]
             assert simulated == [(len(t), n) for t, n in zip(rows.token_ids, rows.forwards)], shape
+
+
+# ------------------------------------------------------------------------------------------- the cached tree
+
+class PathBackend(TorchBackend):
+    """The real torch backend, recording each commit's counts and kept window entries."""
+
+    def __init__(self, model, lean=None):
+        super().__init__(model, lean)
+        self.commits = []
+
+    def commit(self, n_accept, keep=None):
+        self.commits.append((n_accept.tolist(), None if keep is None else keep.tolist()))
+        super().commit(n_accept, keep)
+
+
+def cached_tree(backend, prompts, block_size, shape, rooms, **kwargs):
+    eos = backend.model.generation_config.eos_token_id
+    return decode_cached(backend, prompts, slots=block_size, settings=[Setting(lossless=True, tree=shape)] * len(prompts),
+                         room=rooms, stop_ids=torch.tensor([eos]), mask_id=MASK, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cached_tree_lossless_is_the_reference_forward_for_forward(arch):
+    """Token-level cache (one batch, batch 1, refilled rows), block-level cache (C = B, C = 2B + 1) and the
+    generic model forward: the no-cache reference's tokens (= HF greedy) and forwards, ragged rows."""
+    model = mars_model(arch)
+    prompts = random_prompts()
+    for block_size in (2, 4, 8):
+        for shape in SHAPES[1:]:
+            reference = tree_decode(model, prompts, block_size, shape, ROOMS)
+            for kwargs in (dict(), dict(max_rows=1), dict(max_rows=4), dict(b_cache=block_size),
+                           dict(b_cache=2 * block_size + 1), dict(lean=False)):
+                backend = TorchBackend(model, lean=kwargs.pop("lean", None))
+                rows = cached_tree(backend, prompts, block_size, shape, ROOMS, **kwargs)
+                assert (rows.token_ids, rows.forwards, rows.stopped) == \
+                    (reference.token_ids, reference.forwards, reference.stopped), (block_size, shape, kwargs)
+
+
+def test_only_the_accepted_path_enters_the_cache():
+    """Every step keeps the real tokens it forwarded and the nodes of the path it accepted, in path order:
+    the cache then holds exactly a plain prefill's entries of the prompt and every token but the newest."""
+    model = mars_model("llama")
+    prompt, room = random_prompts()[2], 16
+    for shape in (TreeShape((VOCAB, 1), masks=2), TreeShape((3, 2), 10, masks=3)):
+        backend = PathBackend(model)
+        batch = CachedBatch(backend, block_size=4, stop_ids=torch.tensor([-1]), mask_id=MASK)
+        batch.add([DecodeRow(prompt, room, Setting(lossless=True, tree=shape))])
+        generated = []
+        while len(batch):
+            for update in batch.step():
+                generated = update.token_ids
+            if len(batch):  # compare before the finished row leaves the batch
+                committed = int(backend.cache.length[0])
+                plain = TorchBackend(model)
+                plain.start([prompt + batch.seq[0, len(prompt): int(batch.length[0])].tolist()[:-1]])
+                assert committed == int(plain.cache.length[0])
+                for mine, theirs in zip(backend.cache.keys + backend.cache.values, plain.cache.keys + plain.cache.values):
+                    assert torch.allclose(mine[0, :, :committed], theirs[0, :, :committed], atol=1e-5), shape
+        assert generated == hf_greedy(model, prompt, room)
+        # where drafts hold (every token at depth 0), accepted paths skip siblings: their entries moved up
+        assert shape.top_k[0] < VOCAB or any(keep[0][: n[0]] != list(range(n[0])) for n, keep in backend.commits), shape
+
+
+def test_tree_rows_mix_with_tau_and_chain_rows_as_if_alone():
+    model = mars_model("llama")
+    prompts = random_prompts()
+    settings = [Setting(lossless=True, tree=TreeShape((3,), 8)), Setting(tau=0.5), Setting(lossless=True),
+                Setting(lossless=True, tree=TreeShape((VOCAB, 1), masks=2), width=3), Setting(), Setting(tau=0.9)]
+    eos = torch.tensor([EOS_OF["llama"]])
+
+    def run(indices, max_rows=None):
+        return decode_cached(TorchBackend(model), [prompts[i] for i in indices], slots=4,
+                             settings=[settings[i] for i in indices], room=[ROOMS[i] for i in indices],
+                             stop_ids=eos, mask_id=MASK, max_rows=max_rows)
+
+    alone = [run([i]) for i in range(6)]
+    for max_rows in (None, 2):
+        mixed = run(range(6), max_rows)
+        assert mixed.token_ids == [a.token_ids[0] for a in alone] and mixed.forwards == [a.forwards[0] for a in alone]
+    for i in (0, 2, 3, 4):  # the lossless rows, tree or chain, and tau = 1: greedy
+        assert alone[i].token_ids[0] == hf_greedy(model, prompts[i], ROOMS[i])
+
+
+def test_a_row_may_switch_between_chain_tree_and_tau_between_steps():
+    """The serving policy replaces a row's setting between steps; greedy settings stay greedy token for token."""
+    model = cycle_model()
+    prompt, room = [5, 7, C], 40
+    cycle = [Setting(lossless=True), Setting(lossless=True, tree=TreeShape((3,))), Setting(),
+             Setting(lossless=True, tree=TreeShape((2,), 4)), Setting(lossless=True, width=2)]
+    batch = CachedBatch(TorchBackend(model), block_size=4, stop_ids=torch.tensor([0]), mask_id=MASK)
+    row = DecodeRow(prompt, room)
+    batch.add([row])
+    step, out = 0, None
+    while len(batch):
+        row.setting = cycle[step % len(cycle)]
+        step += 1
+        for update in batch.step():
+            out = update.token_ids
+    assert out == hf_greedy(model, prompt, room)
+
+
+def test_tree_rows_need_a_backend_that_takes_a_window_mask():
+    class ChainOnly(TorchBackend):
+        tree_windows = False
+
+    model = mars_model("llama")
+    with pytest.raises(MarsError, match="window mask"):
+        cached_tree(ChainOnly(model), random_prompts()[:1], 4, TreeShape((2,)), [4])
+
+
+def test_generate_decodes_trees_with_and_without_the_cache():
+    model = mars_model("llama")
+    prompts = random_prompts()
+    expected = [hf_greedy(model, p, 12) for p in prompts]
+    for tree in ("top2/6", TreeShape((3, 2), 10, masks=3), "off"):
+        for kwargs in (dict(), dict(use_cache=False), dict(b_cache=8), dict(batch_size=2)):
+            results = generate(model, None, prompts, mode="lossless", max_new_tokens=12, tree=tree, **kwargs)
+            assert [r.token_ids for r in results] == expected, (tree, kwargs)
+    with pytest.raises(MarsError, match="no-cache tree reference"):
+        generate(model, None, prompts[:2], mode=["lossless", "tau"], tau=0.9, tree="top2", use_cache=False)
+    with pytest.raises(ConfigError, match="tree: expected a tree shape"):
+        generate(model, None, prompts[:1], mode="lossless", tree="top-2")
+
+
+@pytest.mark.parametrize("label", ["chain", "top2", "top3/16", "(3,2,1)/10", "top2/16+masks:4", "chain+masks:top"])
+def test_a_shape_label_parses_back_to_its_shape(label):
+    assert TreeShape.parse(label).label == label
+
+
+def test_a_tree_is_a_lossless_setting_and_its_window_bounds_the_step():
+    with pytest.raises(ConfigError, match="lossless-mode"):
+        Setting(tau=0.9, tree=TreeShape((2,)))
+    shape = TreeShape((2,), 6)
+    setting = Setting(lossless=True, tree=shape)
+    assert setting.label(4) == "lossless:tree=top2/6" and Setting(lossless=True, width=2, tree=shape).label(4) == \
+        "lossless:w=2:tree=top2/6"
+    # B = 4: at most 6 nodes (2 + 4 at depth 2 would be 6; the budget stops there) and a group of 3 after
+    # the root and each node: 6 + 7 x 3 window entries, and the root read
+    assert shape.max_window(3) == 6 + 7 * 3 and setting.slots(4) == 1 + 27
+    assert CHAIN.max_window(3) == 3 + 3 and Setting(lossless=True, tree=CHAIN).slots(4) == Setting(lossless=True).slots(4)
+    for tree in (TreeShape((3,), 8), TreeShape((3, 2), 10, masks=3), TreeShape((4,), masks="top")):
+        window = max(tree_window(build_tree(torch.randn(3, VOCAB).log_softmax(-1), tree), 3, MASK).ids.shape[0]
+                     for _ in range(20))
+        assert window <= tree.max_window(3)

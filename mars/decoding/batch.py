@@ -69,6 +69,8 @@ import torch
 from mars.decoding.accept import accept, greedy_tokens
 from mars.decoding.setting import GREEDY, Setting
 from mars.decoding.stop_strings import StopStrings
+from mars.decoding.tree import ROOT_ONLY, TreeSteps
+from mars.errors import MarsError
 
 
 class DecodeBackend(Protocol):
@@ -152,6 +154,7 @@ class CachedBatch:
         self.prefix_hits = 0  # rows that joined with the prefix copied in (each skipped len(prefix) tokens)
         self.dev = torch.device(backend.device)
         self.stop_d = self._put(stop_ids)
+        self.stop_set = set(stop_ids.tolist())
         self.rows: list[DecodeRow] = []
         self.free: list[int] = []  # finished rows, refilled by the next add or dropped before the next step
         self.block: int | None = None  # the cache block (block level), fixed with the rows
@@ -184,6 +187,7 @@ class CachedBatch:
         self.seq = torch.full((b, self.trash + 1), self.mask_id, dtype=torch.long)
         (self.prompt_len, self.length, self.cached, self.room_left, self.forwards,
          self.drafts) = (torch.zeros(b, dtype=torch.long) for _ in range(6))
+        self.trees = [ROOT_ONLY] * b  # a tree row's drafts for its next step (mars.decoding.tree)
 
     def _fit(self, total: int) -> None:
         # Every step's window is a plain gather from `seq`: beyond each row's length it holds a lossless
@@ -205,6 +209,7 @@ class CachedBatch:
             len(p), len(p), row.room, 0, 0
         self.cached[k] = len(p) - 1 if prefilled else 0
         self.rows[k] = row
+        self.trees[k] = ROOT_ONLY
 
     @torch.inference_mode()  # the bookkeeping tensors are the steps' (inference) tensors
     def add(self, rows: Sequence[DecodeRow]) -> None:
@@ -254,6 +259,7 @@ class CachedBatch:
         for name in ("prompt_len", "length", "cached", "room_left", "forwards", "drafts"):
             setattr(self, name, torch.cat([getattr(self, name), torch.zeros(n, dtype=torch.long)]))
         self.rows += rows
+        self.trees += [ROOT_ONLY] * n
         for k, row in enumerate(rows, start=old):
             self._load(k, row, prefilled=False)
         if old:
@@ -287,6 +293,7 @@ class CachedBatch:
         if keep.numel():
             self.backend.retain(self._put(keep))
         self.rows = [self.rows[k] for k in keep.tolist()]
+        self.trees = [self.trees[k] for k in keep.tolist()]
         for name in ("seq", "prompt_len", "length", "cached", "room_left", "forwards", "drafts"):
             setattr(self, name, getattr(self, name)[keep])
         self.free = []
@@ -316,7 +323,12 @@ class CachedBatch:
         slots = self.slots if block is not None else (
             self.block_size if any(s.needs_masks(self.block_size) for s in settings) else 1)
         length, cached, drafts = self.length, self.cached, self.drafts
-        left = ~lossless & (drafts > 0)  # rows moved out of the lossless mode: their drafts go back to masks
+        trees = TreeSteps(settings, slots, self.trees, self.mask_id)  # the rows drafting trees, if any
+        if trees and not getattr(self.backend, "tree_windows", False):
+            raise MarsError(f"draft trees need a backend that takes a window mask (the torch backend), "
+                            f"not {type(self.backend).__name__}")
+        # rows moved out of the chain's lossless mode: their drafts go back to masks
+        left = (~lossless | trees.is_tree) & (drafts > 0)
         if bool(left.any()):
             spots = torch.arange(int(drafts.max()))
             seq.scatter_(1, torch.where(left[:, None] & (spots < drafts[:, None]), length[:, None] + spots, trash),
@@ -329,6 +341,10 @@ class CachedBatch:
         cap = torch.tensor(caps)
         masks = torch.tensor([c - 1 if s.needs_masks(slots) else 0 for s, c in zip(settings, caps)])
         need = u + drafts + masks  # window entries a row reads up to: its real tokens, drafts, masks
+        if trees:  # a tree row reads its real tokens, then its tree window (seq reaches past the widest)
+            need = torch.where(trees.is_tree, u + trees.width, need)
+            self._fit(int(length.max()) + int(trees.width.max()))
+            seq, trash = self.seq, self.trash
         if block is None:
             width, stepping = int(need.max()), None
             # Past its need (a refilled row's prompt widens the window) a row repeats its last entry:
@@ -341,13 +357,16 @@ class CachedBatch:
             stepping = torch.ones_like(u, dtype=torch.bool) if commit_now else u <= block
             width = max(block, int(need[stepping].max()))
             index = cached[:, None] + self.offsets[:width]
-        self.last_slots = max(s.slots(slots) for s in settings)
-        # A row reads its last real token, each draft (lossless) and each mask; past them it re-reads
-        # its last entry (unused), and a waiting row's reads stay inside the window.
-        read_slot = torch.arange(slots + int(drafts.max()))
+        self.last_slots = max(1 + t if tree else s.slots(slots)
+                              for s, tree, t in zip(settings, trees.is_tree.tolist(), trees.width.tolist()))
+        # A row reads its last real token, each draft (lossless) and each mask, or its tree window; past
+        # them it re-reads its last entry (unused), and a waiting row's reads stay inside the window.
+        read_slot = torch.arange(max(slots + int(drafts.max()), 1 + int(trees.width.max())))
         read = torch.minimum((u - 1)[:, None] + read_slot, (need - 1)[:, None]).clamp(max=width - 1)
         draft_ids = torch.where(read_slot[:-1] < drafts[:, None], seq.gather(1, (length[:, None] + read_slot[:-1])), -1)
-        logits = self.backend.forward(put(seq.gather(1, index)), put(index), put(read))
+        ids, positions = seq.gather(1, index), index
+        allowed = trees.place(ids, positions, u, length, stepping) if trees else None
+        logits = self.backend.forward(put(ids), put(positions), put(read), *(() if allowed is None else (put(allowed),)))
         # a tau row takes at most its cap, a lossless row its drafts + 1; a waiting row takes nothing
         step_room = torch.minimum(self.room_left, torch.where(lossless, drafts + 1, cap))
         if stepping is not None:
@@ -357,12 +376,15 @@ class CachedBatch:
         if self.dev.type != "cpu":
             tokens, n, stopped = tokens.cpu(), n.cpu(), stopped.cpu()
         self.model_calls += 1
+        keep = trees.verify(tokens, n, stopped, self.stop_set, self.room_left, u) if trees else None
         if block is None:
-            # the real tokens of the window, and a lossless row's verified drafts (all it accepted but the last)
+            # the real tokens of the window, and a lossless row's verified drafts or tree path (all it
+            # accepted but the last)
             commit = u + torch.where(lossless, (n - 1).clamp(min=0), 0)
-        else:
+            self.backend.commit(put(commit), *(() if keep is None else (put(keep),)))
+        else:  # the block's real tokens only: a verified path is forwarded again as real tokens
             commit = torch.full_like(u, block if commit_now else 0)
-        self.backend.commit(put(commit))
+            self.backend.commit(put(commit))
         cached += commit
         streamed = [k for k, r in enumerate(rows) if r.stream]
         before = length.tolist() if streamed else None
@@ -375,13 +397,15 @@ class CachedBatch:
         self.forwards += 1 if stepping is None else stepping.long()
         # All drafts verified: the mask slots' tokens are the next drafts (as many as the budget can use).
         # After a wrong draft the next forward starts from the corrected token and fresh masks.
-        fresh = lossless & (n == drafts + 1) & ~stopped
+        fresh = lossless & ~trees.is_tree & (n == drafts + 1) & ~stopped
         new = torch.where(fresh, torch.minimum(self.room_left - 1, cap - 1), 0).clamp(min=0)
         if slots > 1:
             fresh_slot = torch.arange(slots - 1)
             src = tokens.gather(1, (drafts[:, None] + 1 + fresh_slot).clamp(max=tokens.shape[1] - 1))
             seq.scatter_(1, torch.where(fresh_slot < new[:, None], length[:, None] + fresh_slot, trash), src)
         self.drafts = torch.where(n > 0, new, drafts)
+        if trees:  # the mask group after where each tree row's accepted path ended drafts its next tree
+            self.trees = trees.next_trees(logits, n, stopped, self.room_left)
         cut = [k for k, r in enumerate(rows) if r.stop_strings]
         for k in cut:  # a stop string ends its row at the token that completes it
             if n[k] > 0:

@@ -31,6 +31,8 @@ from mars.decoding.reference import DecodedRows, decode_no_cache
 from mars.decoding.setting import Setting
 from mars.decoding.stop_strings import StopStrings
 from mars.decoding.torch_backend import TorchBackend
+from mars.decoding.tree import TreeShape
+from mars.decoding.tree_reference import decode_tree_no_cache
 from mars.errors import ConfigError, MarsError
 
 MODES = ("tau", "lossless")
@@ -201,16 +203,26 @@ def _per_prompt(key: str, value, count: int, one: str) -> list:
     return values
 
 
-def _settings(taus: list, modes: list, width: int | None) -> list[Setting]:
-    """One :class:`Setting` per prompt (a lossless prompt's tau is checked, then unused). A bad value names
-    its key, with the prompt's index where the prompts' values differ."""
+def tree_shape(tree: TreeShape | str | None, key: str = "tree") -> TreeShape | None:
+    """The draft tree a ``tree`` argument names: None or ``"off"`` for the chain of top-1 drafts, a
+    :class:`TreeShape`, or its label (``top2/16``; :meth:`TreeShape.parse`)."""
+    if tree is None or isinstance(tree, TreeShape):
+        return tree
+    if isinstance(tree, str):
+        return None if tree.strip() == "off" else TreeShape.parse(tree, key)
+    raise ConfigError(f"{key}: expected off, a tree shape or its label (top2/16), got {tree!r}")
+
+
+def _settings(taus: list, modes: list, width: int | None, tree: TreeShape | None = None) -> list[Setting]:
+    """One :class:`Setting` per prompt (a lossless prompt's tau is checked, then unused; ``tree`` is its
+    draft tree). A bad value names its key, with the prompt's index where the prompts' values differ."""
     each_tau, each_mode = len(set(map(str, taus))) > 1, len(set(map(str, modes))) > 1
     settings = []
     for i, (t, m) in enumerate(zip(taus, modes)):
         tau = Setting.check_tau(t, f"tau[{i}]" if each_tau else "tau")
         if m not in MODES:
             raise MarsError(f"mode{f'[{i}]' if each_mode else ''}: must be one of {', '.join(MODES)}, got {m!r}")
-        settings.append(Setting(lossless=True, width=width) if m == "lossless" else Setting(tau, width=width))
+        settings.append(Setting(lossless=True, width=width, tree=tree) if m == "lossless" else Setting(tau, width=width))
     return settings
 
 
@@ -234,13 +246,16 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
              max_new_tokens: int = DecodeConfig.max_new_tokens, batch_size: int = DecodeConfig.batch_size,
              use_cache: bool = True, b_cache: int | None = None, stop_token_ids: Iterable[int] = (),
              stop_strings: Sequence[str] = (), backend: DecodeBackend | None = None,
-             progress: bool = False, allow_untrained: bool = False) -> Generations:
+             progress: bool = False, allow_untrained: bool = False,
+             tree: TreeShape | str | None = None) -> Generations:
     """Decode ``prompts`` with MARS: block size B, threshold ``tau`` (one float, or one per prompt).
 
     ``mode`` (one, or one per prompt, mixed freely with per-prompt tau in one batch): ``"tau"`` accepts
     mask slots on confidence (the paper's rule, lossy below tau = 1); ``"lossless"`` ignores tau and
     takes the mask slots' tokens as drafts that the next forward verifies, so the output is greedy AR
-    token for token at up to B tokens per forward (:mod:`mars.decoding.accept`).
+    token for token at up to B tokens per forward (:mod:`mars.decoding.accept`). ``tree`` (lossless
+    prompts): the drafts as a tree of this shape, verified in one forward, still greedy token for token
+    (:mod:`mars.decoding.tree`; ``"top2/16"``, a :class:`TreeShape`; None or ``"off"``: the chain).
 
     ``model`` is a transformers causal LM (or, with ``backend``, anything with the checkpoint's
     ``config``); ``block_size`` defaults to the checkpoint's ``config.mars.block_size``. Returns one
@@ -261,7 +276,7 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
         block_size = CheckpointInfo.block_size_of(config)
     taus = _per_prompt("tau", tau, len(prompts), "one float")
     modes = _per_prompt("mode", mode, len(prompts), "one mode")
-    settings = _settings(taus, modes, block_size)
+    settings = _settings(taus, modes, block_size, tree_shape(tree))
     if block_size is None:
         if any(s.tau < 1.0 or s.lossless for s in settings):
             raise MarsError("block_size: not given and the checkpoint has no config.mars.block_size")
@@ -311,10 +326,17 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
         if use_cache:
             rows = decode_cached(backend, prompts_g, b_cache=b_cache, max_rows=batch_size if continuous else None,
                                  on_finish=bar.update if bar is not None else None, **kwargs)
+        elif any(s.tree is not None for s in settings_g):
+            if len({s.tree for s in settings_g}) > 1 or not all(s.lossless for s in settings_g):
+                raise MarsError("use_cache=False with a tree: every prompt decodes in lossless mode (the no-cache "
+                                "tree reference takes one tree shape)")
+            rows = decode_tree_no_cache(model, prompts_g, block_size=slots, shape=settings_g[0].tree,
+                                        room=kwargs["room"], stop_ids=stops.tolist(), mask_id=mask_id,
+                                        stop_strings=stop_text)
         else:
             rows = decode_no_cache(model, prompts_g, **kwargs)
-            if bar is not None:
-                bar.update(len(group))
+        if not use_cache and bar is not None:
+            bar.update(len(group))
         calls += rows.model_calls
         for k, i in enumerate(group):
             ids = rows.token_ids[k]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mars.decoding.tree import TreeShape
 from mars.errors import ConfigError
 
 
@@ -15,12 +16,14 @@ class Setting:
     ``tau``: the accept threshold in (0, 1]; 1.0 is greedy AR with no masks. ``lossless``: greedy output
     with the mask slots' tokens as drafts that the next forward verifies (``tau`` is then 1.0). ``width``:
     at most this many tokens a step (w - 1 masks, and in the lossless mode w - 1 drafts); None is the
-    checkpoint's block size B, and a width above B decodes at B.
+    checkpoint's block size B, and a width above B decodes at B. ``tree``: in the lossless mode, drafts as a
+    tree of this shape (:mod:`mars.decoding.tree`) instead of the chain of top-1 drafts (None).
     """
 
     tau: float = 1.0
     lossless: bool = False
     width: int | None = None
+    tree: TreeShape | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "tau", self.check_tau(self.tau))
@@ -29,6 +32,9 @@ class Setting:
         if self.width is not None and (isinstance(self.width, bool) or not isinstance(self.width, int)
                                        or self.width < 1):
             raise ConfigError(f"block_size: must be an integer >= 1, got {self.width!r}")
+        if self.tree is not None and not self.lossless:
+            raise ConfigError(f"tree: draft trees are a lossless-mode setting, got tau {self.tau:g} with tree "
+                              f"{self.tree.label}")
 
     @staticmethod
     def check_tau(value, key: str = "tau") -> float:
@@ -47,17 +53,21 @@ class Setting:
 
     def slots(self, block_size: int) -> int:
         """Window slots a step reads for the row: 1 at tau = 1, w at a tau < 1, 2w - 1 in the lossless mode
-        (the last token, w - 1 drafts, w - 1 masks). A step costs what its widest row reads."""
+        (the last token, w - 1 drafts, w - 1 masks), 1 + the widest tree window with a tree. A step costs
+        what its widest row reads."""
         if not self.needs_masks(block_size):
             return 1
         w = self.at(block_size)
+        if self.tree is not None:
+            return 1 + self.tree.max_window(w - 1)
         return 2 * w - 1 if self.lossless else w
 
     def label(self, block_size: int | None = None) -> str:
         """``tau=1``, ``tau=0.9``, ``lossless`` (at B), ``lossless:w=2``: the name in logs and /metrics."""
         if self.lossless:
             narrow = self.width is not None and (block_size is None or self.width < block_size)
-            return f"lossless:w={self.width}" if narrow else "lossless"
+            name = f"lossless:w={self.width}" if narrow else "lossless"
+            return name if self.tree is None else f"{name}:tree={self.tree.label}"
         return f"tau={self.tau:g}" + (f":w={self.width}" if self.width is not None else "")
 
 

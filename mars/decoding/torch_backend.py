@@ -76,12 +76,14 @@ class RowCache:
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 
-    def window(self, width: int, where: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def window(self, width: int, where: tuple[torch.Tensor, torch.Tensor] | None = None,
+               allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Prepare a forward of ``width`` entries per row; ``where`` (row, window index) lists the entries
         computed, row by row (None: all of them).
 
         Returns the boolean attention mask ``[b, W, span]`` over the entries attention reads (``span =
-        length.max() + width``): window entry k of row i sees entries ``<= length[i] + k``.
+        length.max() + width``): window entry k of row i sees every committed entry of row i and the window
+        entries ``allowed[i, k]`` (``[b, W, W]``, lower triangular; None: entries 0..k, causal).
         """
         b = self.length.shape[0]
         slots = self.length[:, None] + torch.arange(width, device=self.length.device)  # [b, W]
@@ -93,7 +95,14 @@ class RowCache:
         else:
             self._write = (where[0], slots[where])
         self._span = span
-        return torch.arange(span, device=slots.device)[None, None, :] <= slots[:, :, None]
+        entries = torch.arange(span, device=slots.device)
+        mask = entries[None, None, :] <= slots[:, :, None]
+        if allowed is None:
+            return mask
+        k = entries[None, :] - self.length[:, None]  # [b, span]: the window index of each entry
+        inside = (k >= 0) & (k < width)
+        own = allowed.gather(2, k.clamp(0, width - 1)[:, None, :].expand(b, width, span))
+        return torch.where(inside[:, None, :], own, mask)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """Store the window's ``keys``/``values`` ``[N, kv_heads, head_dim]`` (packed, in ``window`` order);
@@ -103,7 +112,17 @@ class RowCache:
         self.values[layer][rows, :, slots] = values
         return self.keys[layer][:, :, : self._span], self.values[layer][:, :, : self._span]
 
-    def commit(self, n: torch.Tensor) -> None:
+    def commit(self, n: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Keep ``n[i]`` entries of row i's last window: its first ones, or window indices ``keep[i, :n[i]]``
+        (``[b, K]``, increasing: an accepted tree path), moved to follow the committed entries in that order."""
+        if keep is not None:
+            j = torch.arange(keep.shape[1], device=keep.device)
+            rows, cols = ((j < n[:, None]) & (keep != j)).nonzero(as_tuple=True)
+            if rows.numel():
+                src, dst = self.length[rows] + keep[rows, cols], self.length[rows] + cols
+                for layer in range(len(self.keys)):  # the right side is gathered first: overlaps are safe
+                    self.keys[layer][rows, :, dst] = self.keys[layer][rows, :, src]
+                    self.values[layer][rows, :, dst] = self.values[layer][rows, :, src]
         self.length = self.length + n  # out of place: the caller may hold no inference mode
 
     def reset(self, rows: torch.Tensor) -> None:
@@ -192,12 +211,15 @@ class TorchBackend:
         self._run(ids.to(self.device), positions.to(self.device), read=None, logits=False)
         self.cache.commit(torch.tensor([len(p) for p in prefixes], device=self.device))
 
-    @torch.inference_mode()
-    def forward(self, window_ids, positions, read=None):
-        return self._run(window_ids, positions, read)
+    tree_windows = True  # forward takes a window mask and commit a path: draft trees (mars.decoding.tree)
 
-    def commit(self, n_accept):
-        self.cache.commit(n_accept.to(self.device))
+    @torch.inference_mode()
+    def forward(self, window_ids, positions, read=None, allowed=None):
+        return self._run(window_ids, positions, read, allowed=allowed)
+
+    @torch.inference_mode()
+    def commit(self, n_accept, keep=None):
+        self.cache.commit(n_accept.to(self.device), None if keep is None else keep.to(self.device))
 
     def retain(self, rows):
         self.cache.retain(rows.to(self.device))
@@ -223,10 +245,10 @@ class TorchBackend:
 
     # ------------------------------------------------------------------------------------------ forwards
 
-    def _run(self, ids, positions, read, logits: bool = True):
+    def _run(self, ids, positions, read, logits: bool = True, allowed=None):
         """The window ``ids [b, W]`` of every row -> logits at ``read`` (every entry when None)."""
         if not self.lean:
-            return self._generic(ids, positions, read, logits)
+            return self._generic(ids, positions, read, logits, allowed)
         b, width = ids.shape
         where = groups = None  # (row, window index) of the entries computed, row by row; None: every entry
         if read is not None and width > 1:
@@ -235,7 +257,7 @@ class TorchBackend:
             # prompt next to short decoding windows), not for the odd trailing mask.
             if 2 * int(needed.sum()) <= b * width:
                 where = (torch.arange(width, device=ids.device)[None, :] < needed[:, None]).nonzero(as_tuple=True)
-        allowed = self.cache.window(width, where)
+        allowed = self.cache.window(width, where, allowed)
         if where is None:
             mask = self._mask(allowed)
         else:
@@ -293,10 +315,10 @@ class TorchBackend:
                                              attn_mask=mask, scale=attn.scaling)
         return out.view(b, heads, width, d).transpose(1, 2)
 
-    def _generic(self, ids, positions, read, logits: bool):
+    def _generic(self, ids, positions, read, logits: bool, allowed=None):
         """Any other causal LM: its own forward, with the row cache behind transformers' Cache.update."""
         b, width = ids.shape
-        allowed = self.cache.window(width)
+        allowed = self.cache.window(width, allowed=allowed)
         first = 0 if read is None else int(read.min())
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=_attention_mask(self.model, allowed),
                          cache=self.cache, use_cache=True, logits_to_keep=width - first if logits else 1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import re
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
@@ -61,6 +62,40 @@ class TreeShape:
 
     def k(self, depth: int) -> int:
         return self.top_k[min(depth, len(self.top_k) - 1)]
+
+    def max_window(self, masks_per_group: int) -> int:
+        """The most window entries a step of this shape forwards after the root, with trees up to
+        ``masks_per_group`` (B - 1) deep: its nodes, then ``masks_per_group`` masks per group."""
+        nodes, level = 0, 1
+        for d in range(masks_per_group):
+            level *= self.k(d)
+            nodes += level
+            if self.max_nodes is not None and nodes >= self.max_nodes:
+                nodes = self.max_nodes
+                break
+        groups = nodes + 1 if self.masks == "every" else 1 if self.masks == "top" else min(self.masks, nodes + 1)
+        return nodes + groups * masks_per_group
+
+    @classmethod
+    def parse(cls, text: str, key: str = "tree") -> "TreeShape":
+        """The shape a :attr:`label` names: ``chain``, ``top2``, ``top3/16``, ``(3,2,1)/10``, each optionally
+        ``+masks:top`` or ``+masks:K``; a ConfigError naming ``key`` otherwise."""
+        m = re.fullmatch(r"\s*(chain|top(\d+)|\(([\d,\s]+)\))(?:/(\d+))?(?:\+masks:(top|every|\d+))?\s*", str(text))
+        if m is None:
+            raise ConfigError(f"{key}: expected a tree shape such as chain, top2, top3/16, (3,2,1)/10 or "
+                              f"top2/16+masks:4, got {text!r}")
+        if m.group(1) == "chain":
+            top_k = (1,)
+        elif m.group(2) is not None:
+            top_k = (int(m.group(2)),)
+        else:
+            top_k = tuple(int(k) for k in m.group(3).split(",") if k.strip())
+        masks = m.group(5) or "every"
+        try:
+            return cls(top_k, None if m.group(4) is None else int(m.group(4)),
+                       int(masks) if masks.isdigit() else masks)
+        except ConfigError as err:
+            raise ConfigError(f"{key}: {err}") from None
 
     @property
     def label(self) -> str:
@@ -243,3 +278,84 @@ def verify(tree: Tree, greedy: Sequence[int], stop_ids: Collection[int], room: i
             break  # no draft is the greedy token: it is the bonus token
         node = child
     return Verdict(tuple(tokens), read_at, False)
+
+
+class TreeSteps:
+    """The tree rows' part of one :class:`~mars.decoding.batch.CachedBatch` step: the rows whose setting
+    drafts a tree (lossless, ``tree`` set, width > 1), their windows after their real tokens (:meth:`place`),
+    their verification (:meth:`verify`) and the trees their next step drafts (:meth:`next_trees`).
+
+    ``trees`` holds each row's tree from the step before (ROOT_ONLY: no drafts); a row that is not a tree
+    row now starts its next tree from the root."""
+
+    def __init__(self, settings: Sequence, slots: int, trees: Sequence[Tree], mask_id: int):
+        self.settings = settings
+        self.rows = [k for k, s in enumerate(settings) if s.tree is not None and s.needs_masks(slots)]
+        self.trees = [ROOT_ONLY] * len(settings)
+        self.masks: dict[int, int] = {}  # masks per group (w - 1): a tree is at most that deep
+        self.windows: dict[int, TreeWindow] = {}
+        self.is_tree = torch.zeros(len(settings), dtype=torch.bool)
+        self.width = torch.zeros(len(settings), dtype=torch.long)  # tree window entries per row
+        for k in self.rows:
+            self.trees[k] = trees[k]
+            self.masks[k] = settings[k].at(slots) - 1
+            self.windows[k] = tree_window(trees[k], self.masks[k], mask_id)
+            self.is_tree[k], self.width[k] = True, self.windows[k].ids.shape[0]
+        self.placed: list[int] = []
+        self.verdicts: dict[int, Verdict] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def place(self, ids: torch.Tensor, positions: torch.Tensor, u: torch.Tensor, length: torch.Tensor,
+              stepping: torch.Tensor | None) -> torch.Tensor:
+        """Write each stepping tree row's window after its ``u`` real tokens into the step's ``ids`` and
+        ``positions`` ``[b, W]`` (in place; a node at depth d sits at position length + d) and return the
+        window's attention ``[b, W, W]``: causal, and a tree window's own rule inside it."""
+        b, width = ids.shape
+        allowed = torch.ones(width, width, dtype=torch.bool).tril().repeat(b, 1, 1)
+        self.placed = [k for k in self.rows if stepping is None or bool(stepping[k])]
+        for k in self.placed:
+            w, a = self.windows[k], int(u[k])
+            t = w.ids.shape[0]
+            ids[k, a: a + t] = w.ids
+            positions[k, a: a + t] = length[k] + w.depth
+            allowed[k, a: a + t, a: a + t] = w.allowed
+        return allowed
+
+    def verify(self, tokens: torch.Tensor, n: torch.Tensor, stopped: torch.Tensor, stop_ids: Collection[int],
+               room: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Verify each placed row's tree on the greedy ``tokens [b, S]`` read at its root and nodes: its
+        accepted tokens, count and stop go into ``tokens``, ``n`` and ``stopped`` (in place), at most
+        ``room`` tokens. Returns the window entries each row keeps in the cache, ``[b, K]``: a tree row's
+        real tokens and its accepted path, the first entries (as many as it commits) for the others."""
+        keep_rows = {}
+        for k in self.placed:
+            tree = self.trees[k]
+            verdict = verify(tree, tokens[k, : 1 + len(tree)].tolist(), stop_ids, int(room[k]))
+            tokens[k, : len(verdict.tokens)] = torch.tensor(verdict.tokens)
+            n[k], stopped[k] = len(verdict.tokens), verdict.stopped
+            self.verdicts[k] = verdict
+            a = int(u[k])
+            keep_rows[k] = [*range(a), *(a + j for j in tree.path(verdict.node))]
+        width = max(int(u.max()) + int(n.max()), 1)
+        keep = torch.arange(width).repeat(len(u), 1)
+        for k, entries in keep_rows.items():
+            keep[k, : len(entries)] = torch.tensor(entries)
+        return keep
+
+    def next_trees(self, logits: torch.Tensor, n: torch.Tensor, stopped: torch.Tensor,
+                   room: torch.Tensor) -> list[Tree]:
+        """Each row's tree for its next step: a placed row's from the mask group after the node that read
+        its last token (``logits [b, S, V]`` at the root and its window), at most ``room - 1`` deep; no
+        drafts where that node had no group or the row stopped; a waiting row keeps its own."""
+        out = list(self.trees)
+        for k in self.placed:
+            verdict, tree = self.verdicts[k], self.trees[k]
+            group, depth = tree.group_of(verdict.node), min(self.masks[k], int(room[k]) - 1)
+            if group is None or depth < 1 or bool(stopped[k]):
+                out[k] = ROOT_ONLY
+            else:
+                start = 1 + self.windows[k].group_start[group]
+                out[k] = build_tree(logits[k, start: start + depth].float().log_softmax(-1), self.settings[k].tree)
+        return out

@@ -15,6 +15,7 @@ import torch
 from mars.core.masking import to_additive, to_sdpa
 from mars.decoding.accept import greedy_tokens
 from mars.decoding.reference import DecodedRows
+from mars.decoding.stop_strings import StopStrings
 from mars.decoding.tree import ROOT_ONLY, TreeShape, TreeWindow, build_tree, tree_window, verify
 from mars.errors import MarsError
 
@@ -42,11 +43,13 @@ def model_mask(model, allowed: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def decode_tree_no_cache(model, prompts: Sequence[Sequence[int]], *, block_size: int, shape: TreeShape,
-                         room: Sequence[int], stop_ids: Sequence[int], mask_id: int) -> DecodedRows:
+                         room: Sequence[int], stop_ids: Sequence[int], mask_id: int,
+                         stop_strings: StopStrings | None = None) -> DecodedRows:
     """Decode ``prompts`` greedily with a transformers causal LM ``model``, verifying a tree of ``shape``
     drafts per step (B = ``block_size``: trees up to B - 1 deep, B - 1 masks per group); ``room`` is the
     token budget per prompt. The first step, and a step after a path that ends where no mask group was
-    placed, has no drafts (the root and its mask group only)."""
+    placed, has no drafts (the root and its mask group only). A row also ends at the token that completes
+    one of ``stop_strings``."""
     seqs, room = [list(p) for p in prompts], list(room)
     stops = set(int(t) for t in stop_ids)
     trees = [ROOT_ONLY] * len(prompts)
@@ -78,10 +81,13 @@ def decode_tree_no_cache(model, prompts: Sequence[Sequence[int]], *, block_size:
             out.forwards[i] += 1
             out.stopped[i] = verdict.stopped
             room[i] -= len(verdict.tokens)
+            keep = stop_strings.cut(out.token_ids[i], len(verdict.tokens)) if stop_strings else None
+            if keep is not None:
+                out.token_ids[i], out.stopped[i] = out.token_ids[i][:keep], True
             # the group after the node that read the last token predicts the tokens after it; the path and
             # its bonus token take at most the room left, so the next tree is at most room - 1 deep
             group, depth = tree.group_of(verdict.node), min(block_size - 1, room[i] - 1)
-            if group is None or depth < 1 or verdict.stopped:
+            if group is None or depth < 1 or out.stopped[i]:
                 trees[i] = ROOT_ONLY
             else:
                 start = 1 + w.group_start[group]
