@@ -438,3 +438,21 @@ def test_a_tree_is_a_lossless_setting_and_its_window_bounds_the_step():
         window = max(tree_window(build_tree(torch.randn(3, VOCAB).log_softmax(-1), tree), 3, MASK).ids.shape[0]
                      for _ in range(20))
         assert window <= tree.max_window(3)
+
+
+def test_bench_decode_times_trees_beside_hf_the_chain_and_tau():
+    from mars.decoding import speed
+
+    model = mars_model("llama")
+    prompts = random_prompts()
+    shape = TreeShape((2,), 6)
+    report = speed.run(model, None, prompts, batch_sizes=[1, 4], taus=[1.0, 0.9], block_size=4, max_new_tokens=8,
+                       b_cache=None, repeats=1, prompt_lookup=3, trees=(shape,))
+    rows = {(r["batch_size"], r["method"], r["tau"], r["tree"]) for r in report["rows"]}
+    assert rows == {(b, m, t, tree) for b in (1, 4) for m, t, tree in
+                    [("hf_generate", None, None), ("mars", 1.0, None), ("mars", 0.9, None),
+                     ("mars_lossless", None, None), ("mars_tree", None, "top2/6")]} | {(1, "hf_prompt_lookup", None, None)}
+    for row in report["rows"]:
+        if row["method"] == "mars_tree":  # greedy, and its ceiling priced at its widest window
+            assert row["same_as_hf"] == len(prompts) and row["t_step_tree_ms"] > 0
+    assert "tree top2/6" in speed.format_table(report)

@@ -19,6 +19,8 @@ def main(argv: list[str], verb: str = "generate") -> int:
     parser.add_argument("--tau", type=float, help="accept threshold in (0, 1]; 1.0 = greedy AR")
     parser.add_argument("--mode", choices=MODES, help="tau (the accept rule) | lossless (greedy output, mask slots "
                                                       "as verified drafts); default: decode.mode")
+    parser.add_argument("--tree", help="lossless mode: draft tree shape (top2/16, (3,2,1)/10, +masks:K; off: the chain "
+                                       "of top-1 drafts); default: decode.tree")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--b-cache", type=int, help="block-level cache of this many positions (default: token level)")
@@ -41,7 +43,7 @@ def main(argv: list[str], verb: str = "generate") -> int:
         max_new_tokens=pick(args.max_new_tokens, cfg.max_new_tokens),
         batch_size=pick(args.batch_size, cfg.batch_size), b_cache=pick(args.b_cache, cfg.b_cache),
         use_cache=cfg.use_cache and not args.no_cache, progress=not args.json and len(prompts) > 1,
-        allow_untrained=args.allow_untrained,
+        allow_untrained=args.allow_untrained, tree=pick(args.tree, cfg.tree),
     )
     for prompt, result in zip(prompts, results):
         if args.json:

@@ -49,9 +49,11 @@ class DecodeConfig:
     batch_size: int = 8
     b_cache: int | None = None  # None: token-level cache; C >= B: block-level cache of C positions
     use_cache: bool = True
+    tree: str | None = None  # lossless mode: None (or off) the chain of top-1 drafts; a tree shape (top2/16)
 
     def __post_init__(self):
         Setting(self.tau, width=self.block_size)  # tau and block_size are checked as a row's setting is
+        tree_shape(self.tree)
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         if self.batch_size < 1:
@@ -73,6 +75,7 @@ class GenerationResult:
     block_size: int
     finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens or the model's context)
     mode: str = "tau"  # "tau" or "lossless" (tau unused: greedy output)
+    tree: str | None = None  # the lossless mode's draft tree (its label), None for the chain
 
     @property
     def tokens_per_forward(self) -> float:
@@ -206,8 +209,8 @@ def _per_prompt(key: str, value, count: int, one: str) -> list:
 def tree_shape(tree: TreeShape | str | None, key: str = "tree") -> TreeShape | None:
     """The draft tree a ``tree`` argument names: None or ``"off"`` for the chain of top-1 drafts, a
     :class:`TreeShape`, or its label (``top2/16``; :meth:`TreeShape.parse`)."""
-    if tree is None or isinstance(tree, TreeShape):
-        return tree
+    if tree is None or tree is False or isinstance(tree, TreeShape):  # False: YAML 1.1 reads a bare off as false
+        return tree or None
     if isinstance(tree, str):
         return None if tree.strip() == "off" else TreeShape.parse(tree, key)
     raise ConfigError(f"{key}: expected off, a tree shape or its label (top2/16), got {tree!r}")
@@ -247,7 +250,7 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
              use_cache: bool = True, b_cache: int | None = None, stop_token_ids: Iterable[int] = (),
              stop_strings: Sequence[str] = (), backend: DecodeBackend | None = None,
              progress: bool = False, allow_untrained: bool = False,
-             tree: TreeShape | str | None = None) -> Generations:
+             tree: TreeShape | str | None = DecodeConfig.tree) -> Generations:
     """Decode ``prompts`` with MARS: block size B, threshold ``tau`` (one float, or one per prompt).
 
     ``mode`` (one, or one per prompt, mixed freely with per-prompt tau in one batch): ``"tau"`` accepts
@@ -341,8 +344,10 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
         for k, i in enumerate(group):
             ids = rows.token_ids[k]
             text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+            shape = settings[i].tree
             results[i] = GenerationResult(encoded[i], ids, text, rows.forwards[k], taus[i], block_size,
-                                          "stop" if rows.stopped[k] else "length", modes[i])
+                                          "stop" if rows.stopped[k] else "length", modes[i],
+                                          None if shape is None else shape.label)
     if bar is not None:
         bar.close()
     return Generations(results, calls, time.perf_counter() - started)

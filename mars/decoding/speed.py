@@ -13,7 +13,9 @@ Per batch size and tau it also prints tokens/forward and the ceiling of ``vs_ar`
 t(1-token step) / t(B-token step), the steps timed alternately on the same prefilled cache. The
 lossless mode (``lossless=True``, a row ``mars lossless``: greedy output, mask slots as verified drafts)
 forwards the last token + B-1 drafts + B-1 masks once drafts are pending: its ceiling is taken with the
-(2B-1)-token step, a slight underestimate (a step after a wrong draft forwards only B). At batch 1 the
+(2B-1)-token step, a slight underestimate (a step after a wrong draft forwards only B). Each of ``trees``
+(rows ``mars tree <shape>``: the lossless mode with draft trees, :mod:`mars.decoding.tree`) is greedy too;
+its ceiling is taken with the widest window its shape can forward (1 + ``TreeShape.max_window``). At batch 1 the
 table also has HF's prompt-lookup decoding (``prompt_lookup_num_tokens``: n-grams of the context as
 drafts, the other method with no new parameters; HF runs it for one row only). ``=hf`` counts the
 prompts whose output is HF greedy's token for token: every prompt for the greedy methods in fp32; in bf16
@@ -32,6 +34,7 @@ import torch
 from mars.core.atomic import JSON_ERRORS, json_problem
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.decoding.generate import encode_prompts, generate, stop_token_ids_of
+from mars.decoding.tree import TreeShape
 from mars.errors import MarsError
 from mars.decoding.torch_backend import TorchBackend
 
@@ -113,7 +116,8 @@ def hf_generate(model, prompts: list[list[int]], batch_size: int, max_new_tokens
     return outputs, calls[0] if batch_size == 1 else sum(map(len, outputs))
 
 
-METHODS = {"hf": "hf_generate", "hf_lookup": "hf_prompt_lookup", "mars": "mars", "lossless": "mars_lossless"}
+METHODS = {"hf": "hf_generate", "hf_lookup": "hf_prompt_lookup", "mars": "mars", "lossless": "mars_lossless",
+           "tree": "mars_tree"}
 
 
 def _sync(device) -> None:
@@ -145,7 +149,7 @@ def step_times(model, prompts: list[list[int]], batch_size: int, widths: list[in
 
 
 def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tokens, b_cache, repeats,
-        lossless: bool = True, prompt_lookup: int | None = 10):
+        lossless: bool = True, prompt_lookup: int | None = 10, trees: tuple[TreeShape, ...] = ()):
     eos = stop_token_ids_of(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     block_size = block_size or CheckpointInfo.block_size_of(model)
@@ -154,7 +158,8 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
     rows = []
     for bs in batch_sizes:
         configs = [("hf", None)] + ([("hf_lookup", None)] if prompt_lookup and bs == 1 else []) + \
-            [("mars", tau) for tau in taus] + ([("lossless", None)] if lossless else [])
+            [("mars", tau) for tau in taus] + ([("lossless", None)] if lossless else []) + \
+            [("tree", shape) for shape in trees]
 
         def once(kind, tau):
             _sync(model.device)
@@ -163,10 +168,11 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
                 outputs, forwards = hf_generate(model, prompts, bs, max_new_tokens, pad_id, eos,
                                                 prompt_lookup if kind == "hf_lookup" else None)
                 tpf = sum(map(len, outputs)) / forwards
-            else:
-                res = generate(model, tokenizer, prompts, block_size=block_size, tau=tau or 1.0,
-                               mode="lossless" if kind == "lossless" else "tau", max_new_tokens=max_new_tokens,
-                               batch_size=bs, b_cache=b_cache)
+            else:  # for a tree row, `tau` holds its shape
+                res = generate(model, tokenizer, prompts, block_size=block_size,
+                               tau=1.0 if kind == "tree" else tau or 1.0,
+                               mode="tau" if kind == "mars" else "lossless", max_new_tokens=max_new_tokens,
+                               batch_size=bs, b_cache=b_cache, tree=tau if kind == "tree" else None)
                 outputs, tpf = [r.token_ids for r in res], res.tokens_per_forward
             _sync(model.device)
             return time.perf_counter() - t, outputs, tpf
@@ -180,7 +186,9 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
                 dt, outputs, tpf = once(kind, tau)
                 seconds[(kind, tau)].append(dt)
                 stats[(kind, tau)] = (outputs, tpf)
-        t1, tb, tw = step_times(model, prompts, bs, [1, block_size, 2 * block_size - 1])
+        tree_widths = [1 + shape.max_window(block_size - 1) for shape in trees]
+        t1, tb, tw, *tt = step_times(model, prompts, bs, [1, block_size, 2 * block_size - 1, *tree_widths])
+        t_tree = dict(zip(trees, tt))
         hf_s = statistics.median(seconds[("hf", None)])
         ar_s = statistics.median(seconds[("mars", 1.0)]) if ("mars", 1.0) in seconds else None
         greedy = stats[("hf", None)][0]
@@ -188,11 +196,12 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
             med = statistics.median(seconds[(kind, tau)])
             outputs, tpf = stats[(kind, tau)]
             tokens = sum(map(len, outputs))
-            step = tw if kind == "lossless" else t1 if tau is not None and tau >= 1.0 else tb
+            step = t_tree[tau] if kind == "tree" else tw if kind == "lossless" else \
+                t1 if tau is not None and tau >= 1.0 else tb
             hf = kind.startswith("hf")
             rows.append({
                 "batch_size": bs, "method": METHODS[kind],
-                "tau": tau,
+                "tau": None if kind == "tree" else tau, "tree": tau.label if kind == "tree" else None,
                 "median_s": med, "speedup_vs_hf": hf_s / med,
                 "speedup_vs_ar": None if hf or ar_s is None else ar_s / med,
                 "tokens": tokens, "tokens_per_s": tokens / med,
@@ -203,6 +212,7 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
                 # tau = 1 forwards no mask: its step is the 1-token step
                 "ceiling_speedup": None if hf else tpf * t1 / step,
                 "t_step_1_ms": t1 * 1e3, "t_step_B_ms": tb * 1e3, "t_step_2B-1_ms": tw * 1e3,
+                "t_step_tree_ms": t_tree[tau] * 1e3 if kind == "tree" else None,
             })
     return {"block_size": block_size, "b_cache": b_cache, "max_new_tokens": max_new_tokens,
             "prompts": len(prompts), "repeats": repeats, "prompt_lookup_num_tokens": prompt_lookup, "rows": rows}
@@ -211,13 +221,13 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
 def format_table(report: dict) -> str:
     lines = [f"B={report['block_size']} b_cache={report['b_cache']} prompts={report['prompts']} "
              f"max_new_tokens={report['max_new_tokens']} repeats={report['repeats']} (medians; vs_hf = HF s / MARS s, vs_ar = MARS tau=1 s / MARS s)",
-             f"{'batch':>5} {'method':<13} {'median_s':>9} {'vs_hf':>7} {'vs_ar':>7} {'tok/fwd':>8} {'ceiling':>8} "
+             f"{'batch':>5} {'method':<17} {'median_s':>9} {'vs_hf':>7} {'vs_ar':>7} {'tok/fwd':>8} {'ceiling':>8} "
              f"{'tokens':>7} {'=hf':>5} {'tok/s':>8} {'t1_ms':>7} {'tB_ms':>7} {'t2B-1_ms':>8}"]
     ratio = lambda v: "" if v is None else f"{v:.2f}x"  # noqa: E731
     for row in report["rows"]:
         name = {"hf_generate": "hf generate", "hf_prompt_lookup": "hf lookup", "mars_lossless": "mars lossless"}.get(row["method"]) or \
-            f"mars tau={row['tau']:g}"
-        lines.append(f"{row['batch_size']:>5} {name:<13} {row['median_s']:>9.3f} {ratio(row['speedup_vs_hf']):>7} "
+            (f"tree {row['tree']}" if row.get("tree") else f"mars tau={row['tau']:g}")
+        lines.append(f"{row['batch_size']:>5} {name:<17} {row['median_s']:>9.3f} {ratio(row['speedup_vs_hf']):>7} "
                      f"{ratio(row['speedup_vs_ar']):>7} {row['tokens_per_forward']:>8.2f} "
                      f"{ratio(row['ceiling_speedup']):>8} {row['tokens']:>7} {row['same_as_hf']:>5} "
                      f"{row['tokens_per_s']:>8.1f} "
