@@ -178,7 +178,7 @@ def server(release, tmp_path_factory):
 
 
 def chat(server, prompt: str, **kw):
-    extra = {k: kw.pop(k) for k in ("tau", "mode", "block_size") if k in kw}
+    extra = {k: kw.pop(k) for k in ("tau", "mode", "block_size", "tree") if k in kw}
     return server.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
                                                  extra_body=extra or None, **kw)
 
@@ -232,6 +232,14 @@ def test_lossless_mode_and_block_size_per_request(server, release):
     assert one.choices[0].message.content == alone(release, PROMPTS[1], 1.0, 20).text  # B = 1 is AR
 
 
+def test_a_request_may_verify_a_draft_tree(server, release):
+    for prompt in PROMPTS[:2]:
+        reference = alone(release, prompt, 1.0, 20, mode="lossless", tree="top2/6")
+        out = chat(server, prompt, temperature=0, max_tokens=20, mode="lossless", tree="top2/6")
+        assert out.choices[0].message.content == reference.text == alone(release, prompt, 1.0, 20).text
+        assert out.usage.forwards == reference.forwards
+
+
 def test_streaming_gives_the_non_streaming_text(server):
     for kwargs in ({"tau": 1.0}, {"tau": 0.5}, {"tau": 0.5, "stop": ["the", "3"]}, {"temperature": 0.8, "seed": 7}):
         kw = {"temperature": 0, "max_tokens": 30, **kwargs}
@@ -267,6 +275,10 @@ def test_streaming_gives_the_non_streaming_text(server):
      400, "block_size"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "mode": "lossless",
                               "temperature": 0.7}, 400, "mode"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "mode": "lossless",
+                              "temperature": 0, "tree": "top-2"}, 400, "tree"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tree": "top2"},
+     400, "tree"),
     ("/v1/completions", {"model": NAME, "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": NAME, "prompt": "hi", "n": 2}, 400, "n"),
     ("/v1/completions", {"model": NAME}, 400, "prompt"),

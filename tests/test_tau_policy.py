@@ -9,7 +9,9 @@ from collections import Counter
 import pytest
 
 from mars.decoding.setting import GREEDY, Setting
+from mars.decoding.tree import TreeShape
 from mars.errors import ConfigError
+from mars.serving.config import ServeConfig
 from mars.serving.tau_policy import AdaptivePolicy, FixedPolicy, PolicyConfig, StepRecord, bucket, make_policy
 
 B = 4
@@ -70,6 +72,32 @@ def test_narrower_lossless_widths_are_credited_from_the_full_widths_accepted_cou
     assert policy.tokens[LOSSLESS] == pytest.approx(2.5) and policy.tokens[NARROW] == pytest.approx(1.5)
     policy.observe(StepRecord(1, NARROW.slots(B), 0.01, clean=True, yields=[(NARROW, 2)]))
     assert policy.tokens[LOSSLESS] == pytest.approx(2.5)  # a narrow row says nothing about a wider width
+
+
+def test_draft_trees_are_candidates_measured_on_their_own_and_win_where_they_pay():
+    top2 = Setting(lossless=True, tree=TreeShape.parse("top2/16"))
+    policy = AdaptivePolicy(PolicyConfig(trees=("top2/16",)), B)
+    assert policy.candidates[True] == [GREEDY, LOSSLESS, NARROW, top2] and top2 not in policy.candidates[False]
+    policy.observe(StepRecord(1, LOSSLESS.slots(B), 0.01, clean=True, yields=[(LOSSLESS, 4)]))
+    assert top2 not in policy.tokens  # a chain's yield says nothing about a tree's
+    policy.observe(StepRecord(1, top2.slots(B), 0.01, clean=True, yields=[(top2, 3)]))
+    assert policy.tokens[top2] == 3 and policy.tokens[LOSSLESS] == 4 and policy.tokens[NARROW] == 2
+
+    def tokens(s):  # the tree yields 3.2 a step, the chain its ACCEPTED counts (2.6 on average)
+        return 3.2 if s == top2 else min(next(counts), s.at(B)) if s.lossless else 1
+
+    def idle(rows, slots):  # one row, an idle accelerator: 68 slots cost 7% more than one
+        return 0.010 * (1 + 0.001 * slots)
+
+    for rows, cost, wins in ((1, idle, top2), (16, dear_windows, NARROW)):
+        counts = itertools.cycle(ACCEPTED)
+        ran = drive(AdaptivePolicy(PolicyConfig(trees=("top2/16",)), B), 800, rows=rows, cost=cost, tokens=tokens)
+        # one row on an idle device: the tree's extra tokens pay for its window; 16 rows: its 68 slots do not
+        assert ran.most_common(1)[0][0] == wins, rows
+    with pytest.raises(ConfigError, match="trees: expected a tree shape"):
+        PolicyConfig(trees=("top-2",))
+    with pytest.raises(ConfigError, match="need the torch backend"):
+        ServeConfig(backend="onnx", policy=PolicyConfig(trees=("top2",)))
 
 
 def test_a_setting_measured_in_short_explorations_is_averaged_over_all_it_yielded():

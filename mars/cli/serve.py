@@ -57,6 +57,10 @@ def _parser(verb: str):
     policy.add_argument("--lossless-widths", type=_widths, default=p.lossless_widths, metavar="W[,W...]",
                         help="adaptive: lossless widths below the checkpoint's block size to consider, '' for none "
                              f"(default: {','.join(map(str, p.lossless_widths))})")
+    policy.add_argument("--trees", nargs="*", default=list(p.trees), metavar="SHAPE",
+                        help="adaptive: draft trees (lossless at the block size) to consider, e.g. top2/16 top2/6: "
+                             "measured like every candidate, so the budget that pays at each batch size is chosen "
+                             "(default: none)")
     policy.add_argument("--decide-every", type=int, default=p.decide_every,
                         help=f"adaptive: steps between decisions, and an exploration's length (default: {p.decide_every})")
     policy.add_argument("--switch-margin", type=float, default=p.switch_margin,
@@ -108,6 +112,7 @@ def main(argv: list[str], verb: str = "serve") -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         policy = PolicyConfig(kind=args.tau_policy, tau_floor=args.tau_floor, lossless_widths=args.lossless_widths,
+                              trees=tuple(args.trees),
                               decide_every=args.decide_every, switch_margin=args.switch_margin,
                               explore_every=args.explore_every)
     except MarsError as err:

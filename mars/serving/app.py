@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mars.decoding.generate import encode_prompts
 from mars.decoding.sampling import SamplingParams
 from mars.decoding.setting import Setting
+from mars.decoding.tree import TreeShape
 from mars.errors import MarsError
 from mars.serving.engine import Closed, Engine, Finished, GenerationRequest, QueueFull
 from mars.serving.metrics import ServerMetrics
@@ -156,8 +157,18 @@ def _generation_request(req, engine: Engine, limits: Limits) -> GenerationReques
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
     except MarsError as err:
         raise APIError(400, str(err), str(err).split(":")[0]) from None
+    tree = None
+    if req.tree is not None:
+        if req.mode != "lossless":
+            raise APIError(400, "tree: draft trees are a lossless-mode setting: set mode to lossless", "tree")
+        if model.backend != "torch":
+            raise APIError(400, f"tree: the {model.backend} backend verifies the chain of drafts only", "tree")
+        try:
+            tree = TreeShape.parse(req.tree)
+        except MarsError as err:
+            raise APIError(400, str(err), "tree") from None
     if req.mode == "lossless":
-        setting = Setting(lossless=True, width=req.block_size)
+        setting = Setting(lossless=True, width=req.block_size, tree=tree)
     else:
         setting = None if req.tau is None else Setting(tau=req.tau, width=req.block_size)
     return GenerationRequest(ids, room, setting=setting, sampling=sampling, stop=req.stop_list(),

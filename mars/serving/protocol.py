@@ -2,7 +2,8 @@
 
 MARS knobs travel as extra body fields, which the ``openai`` client sends with ``extra_body``:
 ``tau`` (in (0, 1]; absent: the server's tau policy), ``mode`` (``tau`` | ``lossless``: greedy output,
-mask slots as verified drafts; needs temperature 0) and ``block_size`` (1..B of the checkpoint: at
+mask slots as verified drafts; needs temperature 0), ``tree`` (the lossless mode's draft tree, a shape
+label such as ``top2/16``; absent: the chain of top-1 drafts) and ``block_size`` (1..B of the checkpoint: at
 most that many tokens per forward). ``usage`` carries ``forwards`` (decoding forwards the request took
 part in), ``tokens_per_forward`` and ``tau`` (the mean tau its steps ran at) beside the token counts.
 Every field is range-checked here, before any of it reaches the decoder; an OpenAI field the server does
@@ -78,6 +79,7 @@ class _Request(BaseModel):
     # MARS
     tau: float | None = Field(None, gt=0.0, le=1.0)
     mode: Literal["tau", "lossless"] = "tau"
+    tree: str | None = Field(None, max_length=64)
     block_size: int | None = Field(None, ge=1)
 
     @field_validator("n")

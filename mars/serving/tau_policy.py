@@ -15,7 +15,9 @@ the batch and the hardware, so the choice is measured online, not configured.
   is (rows that named their setting count as they are), moving only for a lead above ``switch_margin``;
   every ``explore_every`` steps, a short run (``decide_every`` steps) of the candidate measured longest ago
   at this batch size, so estimates follow the load. Unmeasured candidates are tried first.
-* Candidates: tau = 1 and the lossless mode at B and at each of ``lossless_widths``: all exactly greedy.
+* Candidates: tau = 1, the lossless mode at B and at each of ``lossless_widths``, and at B with each of
+  the draft ``trees``: all exactly greedy. A tree candidate is measured on its own (what a tree accepts
+  says nothing about a chain's), so the node budget that pays is found per batch size.
   A lossy tau < 1 is one only where the operator names a floor; rows that sample (temperature > 0) choose
   between tau = 1 and that floor, since the lossless mode is greedy.
 
@@ -30,6 +32,7 @@ from types import MappingProxyType
 from typing import Literal, Mapping, Sequence
 
 from mars.decoding.setting import GREEDY, Setting
+from mars.decoding.tree import TreeShape
 from mars.errors import ConfigError
 
 COST_WEIGHT = 0.125  # moving average of step costs: about the last 8 clean steps of a cell
@@ -43,6 +46,7 @@ class PolicyConfig:
     kind: Literal["fixed", "adaptive"] = "adaptive"
     tau_floor: float | Literal["release"] | None = None  # the lowest lossy tau allowed; None: greedy only
     lossless_widths: tuple[int, ...] = (2,)  # lossless widths below the checkpoint's B the policy may use
+    trees: tuple[TreeShape, ...] = ()  # draft trees (lossless at B) the policy may use
     decide_every: int = 4  # steps between decisions (and the length of an exploration)
     switch_margin: float = 0.05  # a candidate must predict this much more tokens/s than the setting in use
     explore_every: int = 128  # steps between explorations
@@ -54,6 +58,8 @@ class PolicyConfig:
         if floor is not None and floor != "release" and (isinstance(floor, bool) or not isinstance(floor, (int, float))
                                                          or not 0.0 < floor <= 1.0):
             raise ConfigError(f"tau_floor: must be in (0, 1] or 'release', got {floor!r}")
+        object.__setattr__(self, "trees", tuple(t if isinstance(t, TreeShape) else TreeShape.parse(t, "trees")
+                                                for t in self.trees))
         if any(isinstance(w, bool) or not isinstance(w, int) or w < 2 for w in self.lossless_widths):
             raise ConfigError(f"lossless_widths: must be integers >= 2, got {list(self.lossless_widths)}")
         for key in ("decide_every", "explore_every"):
@@ -106,7 +112,7 @@ class AdaptivePolicy:
         self.cfg, self.block_size = cfg, block_size
         widths = sorted({w for w in cfg.lossless_widths if w < block_size}, reverse=True)
         lossless = [Setting(lossless=True)] + [Setting(lossless=True, width=w) for w in widths] \
-            if block_size > 1 else []
+            + [Setting(lossless=True, tree=t) for t in cfg.trees] if block_size > 1 else []
         lossy = [Setting(tau=floor)] if floor is not None and floor < 1.0 and block_size > 1 else []
         self.candidates = {True: [GREEDY, *lossless, *lossy], False: [GREEDY, *lossy]}  # by whether rows are greedy
         self.setting = lossless[0] if lossless else GREEDY  # the lossless mode costs no score: start there
@@ -157,10 +163,10 @@ class AdaptivePolicy:
             self.measured[cell] = self.steps
         by_setting: dict[Setting, list[int]] = {}
         for setting, tokens in step.yields:
-            if setting.lossless:  # what each narrower lossless candidate would have accepted
+            if setting.lossless and setting.tree is None:  # what each narrower chain candidate would have accepted
                 width = setting.at(self.block_size)
                 for s in self.candidates[True]:
-                    if s.lossless and s.at(self.block_size) <= width:
+                    if s.lossless and s.tree is None and s.at(self.block_size) <= width:
                         by_setting.setdefault(s, []).append(min(tokens, s.at(self.block_size)))
             elif setting != GREEDY:
                 by_setting.setdefault(setting, []).append(tokens)
