@@ -146,6 +146,19 @@ def test_in_fp32_tau_one_is_the_lossless_decode_and_equals_decoding_it_apart(ar_
     assert "| ar_control | 1 | 100.0 | 1.00 |" in (tmp_path / "both" / "report.md").read_text()
 
 
+def test_the_lossless_entries_may_verify_draft_trees(ar_checkpoint, tmp_path):
+    run = lambda out, **over: evaluate.run({"ar_control": str(ar_checkpoint)}, toy_config(taus=[1.0], **over),  # noqa: E731
+                                           data_dir=None, out_dir=tmp_path / out, metrics_path=tmp_path / f"{out}.json",
+                                           train_metrics_dir=None, log=lambda *_: None)
+    chain, tree = run("chain"), run("tree", tree="top2/6")
+    assert tree["ar_control/toy/lossless"]["tree"] == "top2/6" and "tree" not in chain["ar_control/toy/lossless"]
+    for out in ("chain", "tree"):  # the same greedy tokens, whatever the drafts
+        assert [r["token_ids"] for r in read_jsonl(tmp_path / out / "ar_control" / "toy" / "lossless.jsonl")] == \
+            [r["token_ids"] for r in read_jsonl(tmp_path / "chain" / "ar_control" / "toy" / "tau=1.0.jsonl")]
+    with pytest.raises(ConfigError, match="tree: expected a tree shape"):
+        toy_config(tree="top-2")
+
+
 def test_the_tau_sweep_may_decode_a_seeded_subset(ar_checkpoint, tmp_path):
     metrics = evaluate.run({"ar_control": str(ar_checkpoint), "again": str(ar_checkpoint)},
                            toy_config(taus=[1.0, 0.8], sweep_n=5), data_dir=None, out_dir=tmp_path / "eval",

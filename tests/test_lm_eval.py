@@ -144,13 +144,14 @@ def test_tau_one_through_lm_eval_is_lm_evals_own_hf_model_greedy(default_profile
 
     ckpt, _ = default_profile
     outputs = {}
-    for model, args in (("hf", {"dtype": "float32"}), ("mars", {"tau": 1.0})):
+    for name, model, args in (("hf", "hf", {"dtype": "float32"}), ("mars", "mars", {"tau": 1.0}),
+                              ("tree", "mars", {"mode": "lossless", "tree": "top2/6"})):
         results = simple_evaluate(model=model, model_args={"pretrained": str(ckpt), "device": "cpu", **args},
                                   tasks=["mars_heldout"], task_manager=local_manager(), limit=96, batch_size=16,
                                   apply_chat_template=True)
-        outputs[model] = [s["resps"][0][0] for s in sorted(results["samples"]["mars_heldout"], key=lambda s: s["doc_id"])]
+        outputs[name] = [s["resps"][0][0] for s in sorted(results["samples"]["mars_heldout"], key=lambda s: s["doc_id"])]
     assert len(outputs["mars"]) == 96
-    assert outputs["mars"] == outputs["hf"]
+    assert outputs["mars"] == outputs["hf"] == outputs["tree"]
     assert len(set(outputs["hf"])) > 10, "the comparison means something: varied generations"
 
 
@@ -190,6 +191,8 @@ def test_sampling_and_unknown_generation_arguments_are_refused(default_base):
         MarsLM(str(ckpt), revision="main")
     with pytest.raises(ConfigError, match="tau"):
         MarsLM(str(ckpt), tau=1.5)
+    with pytest.raises(ConfigError, match="--model_args.tree: expected a tree shape"):
+        MarsLM(str(ckpt), mode="lossless", tree="top-2")
 
 
 @pytest.mark.slow

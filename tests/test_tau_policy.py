@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from mars.decoding.setting import GREEDY, Setting
-from mars.decoding.tree import TreeShape
+from mars.decoding.tree_shape import TreeShape
 from mars.errors import ConfigError
 from mars.serving.config import ServeConfig
 from mars.serving.tau_policy import AdaptivePolicy, FixedPolicy, PolicyConfig, StepRecord, bucket, make_policy

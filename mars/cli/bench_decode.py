@@ -16,7 +16,7 @@ def main(argv: list[str], verb: str = "bench-decode") -> int:
 
     from mars.core.atomic import write_json
     from mars.decoding import speed
-    from mars.decoding.tree import TreeShape
+    from mars.decoding.tree_shape import TreeShape
 
     parser = argparse.ArgumentParser(prog=f"mars {verb}", description=speed.__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="checkpoints/mars/final", help="checkpoint dir (default: %(default)s)")

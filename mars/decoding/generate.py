@@ -31,7 +31,7 @@ from mars.decoding.reference import DecodedRows, decode_no_cache
 from mars.decoding.setting import Setting
 from mars.decoding.stop_strings import StopStrings
 from mars.decoding.torch_backend import TorchBackend
-from mars.decoding.tree import TreeShape
+from mars.decoding.tree_shape import TreeShape
 from mars.decoding.tree_reference import decode_tree_no_cache
 from mars.errors import ConfigError, MarsError
 

@@ -34,7 +34,7 @@ import torch
 from mars.core.atomic import JSON_ERRORS, json_problem
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.decoding.generate import encode_prompts, generate, stop_token_ids_of
-from mars.decoding.tree import TreeShape
+from mars.decoding.tree_shape import TreeShape
 from mars.errors import MarsError
 from mars.decoding.torch_backend import TorchBackend
 

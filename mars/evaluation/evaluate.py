@@ -30,6 +30,7 @@ from mars.core.atomic import write_json, write_jsonl
 from mars.core.digest import sha256_tree
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.decoding.setting import Setting
+from mars.decoding.tree_shape import TreeShape
 from mars.evaluation.benchmarks import BenchmarkConfig, Context, create
 from mars.errors import ConfigError, MarsError
 from mars.evaluation.harness import LmEvalConfig
@@ -76,6 +77,8 @@ class EvalConfig:
                            # the tau = 1.0 entry is taken from it (the same tokens), not decoded twice
     sweep_n: int | None = None  # items per benchmark decoded at taus below 1.0 (a seeded subset; None: all);
                                 # tau = 1.0 and lossless, which the gate pairs, decode every item
+    tree: str | None = None  # the lossless mode's drafts: None the chain, or a draft tree shape (top2/16):
+                             # the same tokens, the tokens/forward the tree earns
 
     def __post_init__(self):
         if not self.taus:
@@ -93,6 +96,8 @@ class EvalConfig:
             raise ConfigError(f"ar_taus: must be a non-empty subset of taus {self.taus}, got {self.ar_taus}")
         if self.sweep_n is not None and self.sweep_n < 1:
             raise ConfigError(f"sweep_n: must be >= 1 (or null: every item), got {self.sweep_n}")
+        if self.tree is not None:
+            TreeShape.parse(self.tree, "tree")
         if self.reference is not None and 1.0 not in self.taus:
             raise ConfigError("reference: the comparison is with the reference's tau = 1.0 output; taus lacks 1.0")
 
@@ -170,7 +175,7 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
             gens = generate(model, tokenizer, [it.prompt for it in bench_items], block_size=block_size,
                             tau=1.0 if tau is None else tau, mode="lossless" if tau is None else "tau",
                             max_new_tokens=bench.config.max_new_tokens, batch_size=cfg.batch_size,
-                            use_cache=cfg.use_cache, b_cache=cfg.b_cache,
+                            use_cache=cfg.use_cache, b_cache=cfg.b_cache, tree=cfg.tree if tau is None else None,
                             allow_untrained=True)  # the AR baselines below tau = 1: what the gate's speed check needs
             scored = bench.score(bench_items, [g.text for g in gens])
             rows = []
@@ -183,6 +188,8 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
                     "finish_reason": g.finish_reason, "reference": it.reference, **s,
                 })
             record(MetricKey(name, bench_name, None if tau is None else float(tau)), rows, gens.seconds, tau)
+            if tau is None and cfg.tree is not None:
+                entries[MetricKey(name, bench_name, None).format()]["tree"] = cfg.tree
             if tau is None and reuse:
                 record(MetricKey(name, bench_name, 1.0), [_as_tau_one(r) for r in rows], 0.0, 1.0)
     order = list(benchmarks)

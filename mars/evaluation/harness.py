@@ -274,7 +274,7 @@ def evaluate_model(name: str, model, tokenizer, tasks: Tasks, eval_cfg, out_dir:
         # allow_untrained: the AR baselines below tau = 1 are what the gate's speed check measures
         lm = MarsLM(model, tokenizer, tau=1.0 if tau is None else tau, mode="lossless" if tau is None else "tau",
                     block_size=block_size, b_cache=eval_cfg.b_cache, use_cache=eval_cfg.use_cache,
-                    batch_size=eval_cfg.batch_size, allow_untrained=True)
+                    batch_size=eval_cfg.batch_size, allow_untrained=True, tree=eval_cfg.tree if tau is None else None)
         results = simple_evaluate(
             model=lm, tasks=tasks.objects, task_manager=tasks.manager, num_fewshot=cfg.num_fewshot, limit=cfg.limit,
             apply_chat_template=cfg.apply_chat_template, fewshot_as_multiturn=cfg.fewshot_as_multiturn,
@@ -289,6 +289,8 @@ def evaluate_model(name: str, model, tokenizer, tasks: Tasks, eval_cfg, out_dir:
             write_jsonl(key.outputs_path(out_dir), _rows(leaves, results, generations, metric))
             n = sum(results["n-samples"][leaf]["effective"] for leaf in leaves)
             entry = entry_of(result, metric, [lm.stats[leaf] for leaf in leaves if leaf in lm.stats], n, tau, block_size)
+            if tau is None and eval_cfg.tree is not None:
+                entry["tree"] = eval_cfg.tree
             entries[key.format()] = entry
             log(f"{key.format()}: {metric} {entry['score']:.3f}  tokens/forward {entry['tokens_per_forward']:.2f}  "
                 f"{entry['tokens_per_s']:.0f} tok/s  (lm-eval, {n} documents)")

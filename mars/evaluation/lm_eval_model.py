@@ -5,7 +5,8 @@ imports this module and then runs lm-eval's command line: ``mars lm-eval --model
 pretrained=DIR,tau=0.9,block_size=4,batch_size=16 --tasks ...`` takes every ``lm_eval`` option.
 
 - ``generate_until`` decodes with :func:`mars.decoding.generate.generate`: up to B tokens per forward,
-  accepted at threshold ``tau`` (or verified drafts with ``mode=lossless``), KV cache, continuous
+  accepted at threshold ``tau`` (or verified drafts with ``mode=lossless``, a draft tree with
+  ``tree=top2/16``), KV cache, continuous
   batching. Greedy only: sampling arguments are refused. ``until`` stop strings end a sequence at the
   token that completes one and are cut from the text, ``max_gen_toks`` caps it, as lm-eval's ``hf``
   model does; a request's ``gen_kwargs`` may carry its own ``tau``.
@@ -53,16 +54,18 @@ class MarsLM(HFLM):
     def __init__(self, pretrained, tokenizer=None, *, tau: float = DecodeConfig.tau, mode: str = DecodeConfig.mode,
                  block_size: int | None = None, b_cache: int | None = None, use_cache: bool = True,
                  batch_size: int | str = DecodeConfig.batch_size, device: str | None = None, dtype: str | None = None,
-                 attn_implementation: str = "sdpa", allow_untrained: bool = False, **options):
+                 attn_implementation: str = "sdpa", allow_untrained: bool = False, tree: str | None = None,
+                 **options):
         unknown = sorted(set(options) - HF_OPTIONS)
         if unknown:
             raise MarsError(f"--model_args: unknown for the mars model: {', '.join(unknown)} (mars: pretrained, "
-                            f"tokenizer, tau, mode, block_size, b_cache, use_cache, batch_size, device, dtype, "
+                            f"tokenizer, tau, mode, tree, block_size, b_cache, use_cache, batch_size, device, dtype, "
                             f"attn_implementation, allow_untrained; hf: {', '.join(sorted(HF_OPTIONS))})")
         if isinstance(options.get("think_end_token"), int):
             raise MarsError("--model_args think_end_token: give the token's text; a token id is not supported")
         self.decode = build(DecodeConfig, {"tau": tau, "mode": mode, "block_size": block_size, "b_cache": b_cache,
-                                           "use_cache": use_cache, "batch_size": batch_size}, "--model_args")
+                                           "use_cache": use_cache, "batch_size": batch_size, "tree": tree},
+                             "--model_args")
         if isinstance(pretrained, str):
             pretrained, tokenizer = self._load(pretrained, tokenizer, device, dtype, attn_implementation)
         elif tokenizer is None:
@@ -143,7 +146,7 @@ class MarsLM(HFLM):
                             block_size=self.decode.block_size, tau=tau, mode=self.decode.mode,
                             max_new_tokens=max_gen_toks, batch_size=self.decode.batch_size,
                             use_cache=self.decode.use_cache, b_cache=self.decode.b_cache, stop_strings=until,
-                            allow_untrained=self.allow_untrained)
+                            allow_untrained=self.allow_untrained, tree=self.decode.tree)
             for i, context, g in zip(members, contexts, gens):
                 text = postprocess_generated_text(g.text, until, self.think_end_token)
                 results[i] = text

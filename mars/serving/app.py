@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mars.decoding.generate import encode_prompts
 from mars.decoding.sampling import SamplingParams
 from mars.decoding.setting import Setting
-from mars.decoding.tree import TreeShape
+from mars.decoding.tree_shape import TreeShape
 from mars.errors import MarsError
 from mars.serving.engine import Closed, Engine, Finished, GenerationRequest, QueueFull
 from mars.serving.metrics import ServerMetrics

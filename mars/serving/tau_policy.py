@@ -32,7 +32,7 @@ from types import MappingProxyType
 from typing import Literal, Mapping, Sequence
 
 from mars.decoding.setting import GREEDY, Setting
-from mars.decoding.tree import TreeShape
+from mars.decoding.tree_shape import TreeShape
 from mars.errors import ConfigError
 
 COST_WEIGHT = 0.125  # moving average of step costs: about the last 8 clean steps of a cell
