@@ -266,6 +266,34 @@ def test_onnxruntime_decoder_runs_lossless_mode_exactly(drafting_export, heldout
     assert ref.tokens_per_forward > 2  # the repeated phrases' drafts verify: several tokens per forward
 
 
+@pytest.mark.parametrize("b_cache", [None, 6], ids=["token-cache", "block-cache"])
+def test_onnxruntime_decoder_verifies_draft_trees_as_the_pytorch_decoder(drafting_export, heldout_prompts, b_cache):
+    """Tree windows (up to 1 + 6 + 7 x 3 = 28 entries here) run as chunks of W = 8, each seeing the entries
+    of the chunks before it that the tree lets it see; an accepted path's K/V move up in the cache."""
+    from mars.decoding.generate import generate
+    from mars.core.models import load_model
+
+    checkpoint, out = drafting_export
+    model, tok = load_model(checkpoint)
+    prompts = [x[:n] for x, n in zip(periodic(3, 12, seed=8), (7, 9, 8))] + heldout_prompts[:2]
+    greedy = generate(model, tok, prompts, tau=1.0, max_new_tokens=16, batch_size=2)
+    for tree in ("top2/6", "(3,1)/5+masks:2"):
+        ref = generate(model, tok, prompts, mode="lossless", tree=tree, max_new_tokens=16, batch_size=2, b_cache=b_cache)
+        got = ExportedBlock(out).generate(prompts, mode="lossless", tree=tree, max_new_tokens=16, b_cache=b_cache)
+        assert [r.token_ids for r in got] == [r.token_ids for r in ref] == [r.token_ids for r in greedy], tree
+        assert [r.forwards for r in got] == [r.forwards for r in ref], tree
+
+
+def test_a_window_mask_may_carry_a_trees_attention_across_chunks():
+    tree = np.array([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 1, 1]]], dtype=bool)  # [1, 4, 4]
+    first = window_mask([3], past=3, window=2, allowed=tree[:, :2, :2]) == 0
+    assert first[0, 0].tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+    # the second chunk: prefix keys 3..4 are the first chunk's entries, seen as the tree says
+    second = window_mask([5], past=5, window=2, allowed=tree[:, 2:, :], pending=2) == 0
+    assert second[0, 0].tolist() == [[True, True, True, True, False, True, False],
+                                     [True, True, True, False, False, True, True]]
+
+
 def test_engine_refuses_what_its_graph_cannot_hold(exported):
     engine = ExportedBlock(exported[0])
     with pytest.raises(EngineError, match="exceeds the export's batch of 2"):

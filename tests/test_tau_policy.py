@@ -11,7 +11,6 @@ import pytest
 from mars.decoding.setting import GREEDY, Setting
 from mars.decoding.tree_shape import TreeShape
 from mars.errors import ConfigError
-from mars.serving.config import ServeConfig
 from mars.serving.tau_policy import AdaptivePolicy, FixedPolicy, PolicyConfig, StepRecord, bucket, make_policy
 
 B = 4
@@ -96,8 +95,6 @@ def test_draft_trees_are_candidates_measured_on_their_own_and_win_where_they_pay
         assert ran.most_common(1)[0][0] == wins, rows
     with pytest.raises(ConfigError, match="trees: expected a tree shape"):
         PolicyConfig(trees=("top-2",))
-    with pytest.raises(ConfigError, match="need the torch backend"):
-        ServeConfig(backend="onnx", policy=PolicyConfig(trees=("top2",)))
 
 
 def test_a_setting_measured_in_short_explorations_is_averaged_over_all_it_yielded():

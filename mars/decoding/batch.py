@@ -17,6 +17,9 @@ width), which a caller may replace between steps, so rows of any settings share 
 A lossless row's window is its last accepted token, its m pending drafts as real tokens, then w-1 masks
 (consecutive positions); only verified tokens are committed to the cache, and after a wrong draft the next
 forward starts from the corrected token and fresh masks. Windows are at most 2B-1 wide, as in tau mode.
+A lossless row with a draft ``tree`` (:mod:`mars.decoding.tree`) forwards its last token, then the tree's
+nodes and a group of w-1 masks after each node that may end the accepted path, under the tree's own
+attention; the real tokens and the accepted path are committed (:class:`~mars.decoding.tree.TreeSteps`).
 
 Backend interface
 -----------------
@@ -29,7 +32,7 @@ on the backend's ``device``; ``b`` is the number of live rows (it shrinks throug
     be empty). With the block-level cache the decoder passes each prompt without its last token (that
     token is the first real token of the first window); with the token-level cache it passes empty
     prefixes and the first window is the whole prompt, so the prefill is also the first decoding step.
-``forward(window_ids [b, W], positions [b, W], read [b, S] | None = None) -> logits``
+``forward(window_ids [b, W], positions [b, W], read [b, S] | None = None[, allowed [b, W, W]]) -> logits``
     Score a window against each row's committed cache: window entry k of row i attends to row i's
     committed entries and to window entries 0..k (causal inside the window). The window's K/V entries
     are held as *pending* until ``commit``. Returns float logits ``[b, S, V]`` at window indices ``read``
@@ -38,11 +41,15 @@ on the backend's ``device``; ``b`` is the number of live rows (it shrinks throug
     only pad the batch: a backend may skip them); a backend with a fixed width may pad it on the right
     with more mask tokens at the following positions (a trailing entry never changes an earlier one)
     and slice its logits. W <= 2B-1 (token level; the first window: the longest prompt + B-1),
-    W <= C+2B-1 (block level).
-``commit(n_accept [b]) -> None``
+    W <= C+2B-1 (block level). A backend whose ``tree_windows`` is True also takes ``allowed``, the
+    window's attention (lower triangular, the diagonal set; None: causal), which a tree row's window
+    needs; its W then grows with the tree (``TreeShape.max_window``).
+``commit(n_accept [b][, keep [b, K]]) -> None``
     Keep the first ``n_accept[i]`` pending entries of row i in its cache and drop the rest. The
     decoder only commits entries that were real tokens in that forward. Rows may commit different
-    counts (a backend may store them as masked holes) or 0.
+    counts (a backend may store them as masked holes) or 0. With ``keep`` (``tree_windows`` backends)
+    the kept entries are the window indices ``keep[i, :n_accept[i]]`` (increasing: a tree's accepted
+    path), moved up behind the committed ones in that order.
 ``retain(rows [k]) -> None``
     Keep only these rows (indices into the current rows, increasing) in the cache; rows that finished
     stop costing compute.
@@ -325,7 +332,7 @@ class CachedBatch:
         length, cached, drafts = self.length, self.cached, self.drafts
         trees = TreeSteps(settings, slots, self.trees, self.mask_id)  # the rows drafting trees, if any
         if trees and not getattr(self.backend, "tree_windows", False):
-            raise MarsError(f"draft trees need a backend that takes a window mask (the torch backend), "
+            raise MarsError(f"draft trees need a backend that takes a window mask (torch, onnx), "
                             f"not {type(self.backend).__name__}")
         # rows moved out of the chain's lossless mode: their drafts go back to masks
         left = (~lossless | trees.is_tree) & (drafts > 0)

@@ -41,9 +41,14 @@ class EngineError(MarsError):
     pass
 
 
-def window_mask(prefix_lens, past: int, window: int, dtype=np.float32) -> np.ndarray:
+def window_mask(prefix_lens, past: int, window: int, dtype=np.float32, allowed: np.ndarray | None = None,
+                pending: int = 0) -> np.ndarray:
     """Additive mask ``[batch, 1, W, past + W]``: row r's query i sees prefix keys ``j < prefix_lens[r]``
-    and window keys ``k <= i`` (so no row is ever empty, even with an empty prefix)."""
+    and window keys ``k <= i`` (so no row is ever empty, even with an empty prefix).
+
+    ``allowed`` ``[batch, W, pending + W]`` (bool) replaces that rule for the last ``pending`` prefix keys of
+    each row (entries of the same window, written by an earlier chunk) and the window's own keys: a draft
+    tree's attention (:mod:`mars.decoding.tree`). The window's diagonal must stay True."""
     import torch  # here, not at the top: reading and checking an export needs no torch
 
     from mars.core.masking import to_additive
@@ -51,11 +56,19 @@ def window_mask(prefix_lens, past: int, window: int, dtype=np.float32) -> np.nda
     lens = np.asarray(prefix_lens, dtype=np.int64)
     if lens.ndim != 1 or (lens < 0).any() or (lens > past).any():
         raise EngineError(f"prefix lengths {lens.tolist()} must lie in [0, past={past}]")
-    allowed = np.zeros((len(lens), 1, window, past + window), dtype=bool)
-    allowed[:, 0, :, :past] = np.arange(past)[None, None, :] < lens[:, None, None]
-    allowed[:, 0, :, past:] = np.tril(np.ones((window, window), dtype=bool))[None]
+    out = np.zeros((len(lens), 1, window, past + window), dtype=bool)
+    out[:, 0, :, :past] = np.arange(past)[None, None, :] < lens[:, None, None]
+    out[:, 0, :, past:] = np.tril(np.ones((window, window), dtype=bool))[None]
+    if allowed is not None:
+        out[:, 0, :, past:] = allowed[:, :, pending:]
+        if pending:
+            # prefix key j of row r is the window's entry j - (lens[r] - pending), for the last `pending` keys
+            rel = np.arange(past)[None, :] - (lens - pending)[:, None]  # [batch, past]
+            inside = (rel >= 0) & (rel < pending)
+            seen = np.take_along_axis(allowed, np.clip(rel, 0, pending - 1)[:, None, :].repeat(window, 1), 2)
+            out[:, 0, :, :past] = np.where(inside[:, None, :], seen, out[:, 0, :, :past])
     torch_dtype = torch.from_numpy(np.zeros(0, dtype)).dtype  # the same float type on the torch side
-    return to_additive(torch.from_numpy(allowed), torch_dtype).numpy()
+    return to_additive(torch.from_numpy(out), torch_dtype).numpy()
 
 
 @dataclass(frozen=True)
@@ -196,23 +209,26 @@ class OnnxBackend:
         self.lens = np.zeros(self.spec.batch_size, np.int64)
         self.rows = 0
 
-    def _run_chunk(self, ids: np.ndarray, positions: np.ndarray, offset: int) -> np.ndarray:
-        """One graph call on a ``[batch, W]`` chunk whose entries follow ``offset`` pending ones."""
+    def _run_chunk(self, ids: np.ndarray, positions: np.ndarray, offset: int,
+                   allowed: np.ndarray | None = None) -> np.ndarray:
+        """One graph call on a ``[batch, W]`` chunk whose entries follow ``offset`` pending ones; ``allowed``
+        ``[batch, W, offset + W]``: what the chunk's queries see of the window so far (None: causal)."""
         spec, lens = self.spec, self.lens + offset
         past = int(lens.max())
         if past > spec.max_prefix:
             raise EngineError(f"a row's prefix would reach {past} tokens; the export holds at most "
                               f"{spec.max_prefix} (max_context {spec.max_context} - W {spec.window})")
         logits, new_k, new_v = self.engine(
-            ids, positions, window_mask(lens, past, spec.window, self.keys.dtype),
+            ids, positions, window_mask(lens, past, spec.window, self.keys.dtype, allowed, offset),
             np.ascontiguousarray(self.keys[:, :, :, :past]), np.ascontiguousarray(self.values[:, :, :, :past]))
         for r in range(spec.batch_size):
             self.keys[:, r, :, lens[r]: lens[r] + spec.window] = new_k[:, r]
             self.values[:, r, :, lens[r]: lens[r] + spec.window] = new_v[:, r]
         return logits
 
-    def _run(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Window ``[rows, width]`` (width >= 1) -> logits ``[rows, width, vocab]``; K/V left pending."""
+    def _run(self, ids: np.ndarray, positions: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
+        """Window ``[rows, width]`` (width >= 1) -> logits ``[rows, width, vocab]``; K/V left pending.
+        ``allowed [rows, width, width]``: the window's attention (None: causal)."""
         w = self.spec.window
         rows, width = ids.shape
         if rows > self.spec.batch_size:
@@ -223,7 +239,12 @@ class OnnxBackend:
         ids = np.concatenate([ids, np.full((rows, extra), self.pad_id, np.int64)], 1)
         positions = np.concatenate([positions, positions[:, -1:] + 1 + np.arange(extra)], 1)
         ids, positions = self._pad_rows(ids, positions)
-        out = [self._run_chunk(ids[:, c * w:(c + 1) * w], positions[:, c * w:(c + 1) * w], c * w)
+        full = None
+        if allowed is not None:  # padded entries and rows: causal
+            full = np.tril(np.ones((chunks * w, chunks * w), dtype=bool))[None].repeat(self.spec.batch_size, 0)
+            full[:rows, :width, :width] = allowed
+        out = [self._run_chunk(ids[:, c * w:(c + 1) * w], positions[:, c * w:(c + 1) * w], c * w,
+                               None if full is None else full[:, c * w:(c + 1) * w, :(c + 1) * w])
                for c in range(chunks)]
         return np.concatenate(out, 1)[:rows, :width]
 
@@ -251,16 +272,30 @@ class OnnxBackend:
         full_ids[: len(ids)], full_pos[: len(ids)] = ids, positions
         return full_ids, full_pos
 
-    def forward(self, window_ids, positions, read=None):
+    tree_windows = True  # forward takes a window mask and commit a path: draft trees (mars.decoding.tree)
+
+    def forward(self, window_ids, positions, read=None, allowed=None):
         import torch
 
-        logits = torch.from_numpy(self._run(window_ids.cpu().numpy(), positions.cpu().numpy()))
+        logits = torch.from_numpy(self._run(window_ids.cpu().numpy(), positions.cpu().numpy(),
+                                            None if allowed is None else allowed.cpu().numpy()))
         if read is None:
             return logits
         return logits.gather(1, read.cpu()[:, :, None].expand(-1, -1, logits.shape[-1]))
 
-    def commit(self, n_accept) -> None:
+    def commit(self, n_accept, keep=None) -> None:
+        """Keep ``n[r]`` pending entries of row r: its first ones, or window indices ``keep[r, :n[r]]``
+        (increasing: a tree's accepted path), moved up behind the committed entries."""
         n = np.asarray(n_accept.cpu().numpy() if hasattr(n_accept, "cpu") else n_accept, dtype=np.int64)
+        if keep is not None:
+            keep = np.asarray(keep.cpu().numpy() if hasattr(keep, "cpu") else keep, dtype=np.int64)
+            for r in range(self.rows):
+                src = keep[r, : n[r]]
+                moved = src != np.arange(n[r])
+                if moved.any():
+                    base = self.lens[r]
+                    self.keys[:, r, :, base: base + n[r]] = self.keys[:, r, :, base + src]
+                    self.values[:, r, :, base: base + n[r]] = self.values[:, r, :, base + src]
         self.lens[: self.rows] += n
 
     def reset(self, rows) -> None:

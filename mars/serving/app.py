@@ -161,8 +161,6 @@ def _generation_request(req, engine: Engine, limits: Limits) -> GenerationReques
     if req.tree is not None:
         if req.mode != "lossless":
             raise APIError(400, "tree: draft trees are a lossless-mode setting: set mode to lossless", "tree")
-        if model.backend != "torch":
-            raise APIError(400, f"tree: the {model.backend} backend verifies the chain of drafts only", "tree")
         try:
             tree = TreeShape.parse(req.tree)
         except MarsError as err:

@@ -41,6 +41,3 @@ class ServeConfig:
             raise ConfigError("poll_seconds, drain_seconds: must be >= 0")
         if self.backend not in ("torch", "onnx"):
             raise ConfigError(f"backend: must be torch or onnx, got {self.backend!r}")
-        if self.policy.trees and self.backend != "torch":
-            raise ConfigError(f"trees: the {self.backend} backend verifies the chain of drafts only (draft trees "
-                              "need the torch backend)")
