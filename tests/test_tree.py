@@ -456,3 +456,31 @@ def test_bench_decode_times_trees_beside_hf_the_chain_and_tau():
         if row["method"] == "mars_tree":  # greedy, and its ceiling priced at its widest window
             assert row["same_as_hf"] == len(prompts) and row["t_step_tree_ms"] > 0
     assert "tree top2/6" in speed.format_table(report)
+
+
+@pytest.mark.slow
+def test_smollm2_tree_lossless_is_hf_greedy(smollm2_dir):
+    """Real weights (fp32) with a fresh mask token: trees of its slots' top tokens, cached (token and block
+    level) and not, give HF greedy token for token and the reference's forwards."""
+    from mars.core.mask_token import add_mask_token
+    from mars.core.models import load_model
+    from test_decoding import CHAT
+
+    model, tokenizer = load_model(smollm2_dir)
+    model.config.mars = {"block_size": 4, "mask_token_id": add_mask_token(model, tokenizer).token_id}
+    counting = tokenizer("1, 2, 3, 4, 5, 6, 7, 8,", add_special_tokens=False)["input_ids"]
+    prompts = CHAT + [counting]
+    encoded = [r.prompt_token_ids for r in generate(model, tokenizer, prompts, tau=1.0, max_new_tokens=1)]
+    alone = [hf_greedy(model, ids, 10) for ids in encoded]
+    verified = 0
+    for block_size, shape in ((2, TreeShape((4,), 12)), (4, TreeShape((48, 2), 60, masks=3)), (8, TreeShape((2,), 8))):
+        reference = generate(model, tokenizer, prompts, mode="lossless", tree=shape, block_size=block_size,
+                             max_new_tokens=10, batch_size=3, use_cache=False)
+        assert [r.token_ids for r in reference] == alone, (block_size, shape)
+        for kwargs in (dict(batch_size=3), dict(batch_size=3, b_cache=block_size)):
+            results = generate(model, tokenizer, prompts, mode="lossless", tree=shape, block_size=block_size,
+                               max_new_tokens=10, **kwargs)
+            assert [r.token_ids for r in results] == alone, (block_size, shape, kwargs)
+            assert [r.forwards for r in results] == [r.forwards for r in reference], (block_size, shape, kwargs)
+        verified += reference.tokens - reference.forwards
+    assert verified > 0  # some drafts held: accepted paths went through the cache
