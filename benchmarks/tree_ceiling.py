@@ -46,16 +46,11 @@ SHAPES = {  # label: what the row measures
     "top4/16": "top-4, 16 nodes",
     "top4/32": "top-4, 32 nodes",
     "top4/16+masks:4": "top-4, 16 nodes, masks after 4",
+    "top2/8": "top-2, 8 nodes",
+    "top2/16": "top-2, 16 nodes",
+    "top2/16+masks:4": "top-2, 16 nodes, masks after 4",
 }
 RANKS = 4  # ranks 0..3 are counted apart, the rest together
-
-
-def parse_shape(label: str) -> TreeShape:
-    """The inverse of ``TreeShape.label`` for the uniform shapes: ``chain``, ``topK``, ``/N``, ``+masks:X``."""
-    name, _, masks = label.partition("+masks:")
-    name, _, budget = name.partition("/")
-    k = 1 if name == "chain" else int(name.removeprefix("top"))
-    return TreeShape((k,), int(budget) if budget else None, (int(masks) if masks.isdigit() else masks) or "every")
 
 
 @dataclass
@@ -151,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, help="B (default: the checkpoint's)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated tree labels (see TreeShape.label)")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="tree labels (TreeShape.parse)")
     parser.add_argument("--check", type=int, default=0, help="decode this many prompts per set with the tree reference")
     parser.add_argument("--threads", type=int)
     args = parser.parse_args(argv)
@@ -161,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model(args.model, dtype=args.dtype)
     info = CheckpointInfo.from_config(model.config)
     block_size = args.block_size or info.block_size
-    shapes = [parse_shape(s) for s in args.shapes.split(",")]
+    shapes = [TreeShape.parse(s, "--shapes") for s in args.shapes]
     keep = max(max(s.top_k) for s in shapes)
     stops = set(stop_token_ids_of(model, tokenizer))
     vocab = model.config.vocab_size
