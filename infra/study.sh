@@ -8,6 +8,12 @@
 # status. Resumable: run the same command again; DVC skips finished stages, distill resumes from its
 # shards, training from its step checkpoints. In the background:
 #   nohup infra/study.sh smollm2 > build/study-smollm2.log 2>&1 &
+#
+# A variant overrides the profile's own keys (`-S profiles.smollm2.train.mars.epochs=1`): a top-level key
+# the profile also sets would be replaced by the profile's value, so it is refused before anything runs.
+# A new variant's clone starts from the profile's study (build/study-PROFILE): its dvc.lock and the stage
+# outputs it has (the base, the distilled pool, the prepared data, final checkpoints), so the stages whose
+# params, code and inputs the variant leaves alone are skipped, the distillation above all.
 set -uo pipefail
 invocation="infra/study.sh $*"
 profile=${1:?usage: infra/study.sh PROFILE [NAME -S KEY=VALUE ...]}
@@ -16,16 +22,32 @@ shift $(( $# >= 2 ? 2 : 1 ))
 root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 # the project's venv (make install) when dvc is not on PATH; checked before anything runs, so a missing
 # tool cannot end a study whose collection would then replace the last results with nothing
-if ! command -v dvc > /dev/null && [ -x "$root/.venv/bin/dvc" ]; then
+if ! { command -v dvc && command -v mars; } > /dev/null && [ -x "$root/.venv/bin/dvc" ]; then
   PATH="$root/.venv/bin:$PATH"
 fi
-if ! command -v dvc > /dev/null; then
-  echo "infra/study.sh: dvc not found: run \`make install\` (it makes $root/.venv) or put dvc on PATH" >&2
-  exit 127
-fi
+for tool in dvc mars; do
+  if ! command -v $tool > /dev/null; then
+    echo "infra/study.sh: $tool not found: run \`make install\` (it makes $root/.venv) or put $tool on PATH" >&2
+    exit 127
+  fi
+done
+# the overrides as the stages will read them: a bad key, or one the profile would replace, stops it here
+(cd "$root" && mars params -S "profile=$profile" "$@" > /dev/null) || exit 2
 work=$root/build/study-$name
+seed=$root/build/study-$profile
 if [ ! -d "$work/.git" ]; then
   git clone -q "$root" "$work" || exit 1
+  if [ "$name" != "$profile" ] && [ -f "$seed/dvc.lock" ]; then
+    echo "study $name: starting from $seed's dvc.lock and outputs"
+    cp "$seed/dvc.lock" "$work/dvc.lock"
+    for out in models/base data/distilled data/distill_work data/prepared checkpoints/*/final; do
+      for path in "$seed"/$out; do
+        [ -e "$path" ] || continue
+        mkdir -p "$work/$(dirname "${path#"$seed"/}")"
+        cp -a --reflink=auto "$path" "$work/${path#"$seed"/}" || exit 1
+      done
+    done
+  fi
 fi
 cd "$work" || exit 1
 export PYTHONPATH=$work  # the clone's code, not the checkout's (the venv's editable install points there)

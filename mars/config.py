@@ -61,11 +61,26 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), load_yaml(raw)
 
 
+def _shadowed(path: list[str], given, resolved) -> list[str] | None:
+    """The first leaf of an override ``given`` at ``path`` that the resolved params do not hold."""
+    if isinstance(given, dict) and isinstance(resolved, dict):
+        for key, value in given.items():
+            hit = _shadowed([*path, key], value, resolved.get(key))
+            if hit is not None:
+                return hit
+        return None
+    return None if given == resolved else path
+
+
 def resolve(raw: dict, overrides: typing.Iterable[str] = (), source: str = "params.yaml") -> dict:
-    """Apply ``key=value`` overrides (as ``dvc exp run -S`` would), then the selected profile."""
+    """Apply ``key=value`` overrides (as ``dvc exp run -S`` would), then the selected profile. An override of a
+    key the profile also sets would be silently replaced by the profile's value: that is an error naming the
+    profile's key to override instead."""
     raw = copy.deepcopy(raw)
+    given = []
     for text in overrides:
         path, value = _parse_override(text)
+        given.append((text, path, value))
         node = raw
         for part in path[:-1]:
             node = node.setdefault(part, {})
@@ -77,7 +92,19 @@ def resolve(raw: dict, overrides: typing.Iterable[str] = (), source: str = "para
     if name not in profiles and name != "tiny":
         known = ", ".join(sorted(set(profiles) | {"tiny"}))
         raise ConfigError(f"{source}: profile: unknown profile {name!r} (known: {known})")
-    return _deep_merge(raw, profiles.get(name) or {})
+    resolved = _deep_merge(raw, profiles.get(name) or {})
+    for text, path, value in given:
+        if path[0] in ("profile", "profiles"):
+            continue
+        node = resolved
+        for part in path[:-1]:
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        hit = _shadowed(path, value, node.get(path[-1]) if isinstance(node, dict) else None)
+        if hit is not None:
+            key = ".".join(hit)
+            raise ConfigError(f"override {text!r}: the profile {name} sets {key}, and its value wins; override "
+                              f"profiles.{name}.{key} instead")
+    return resolved
 
 
 def load_params(path: str | Path = DEFAULT_PARAMS, overrides: typing.Iterable[str] = ()) -> dict:

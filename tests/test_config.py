@@ -40,6 +40,19 @@ def test_profile_values_win_over_top_level_sections():
     assert (big.lr, big.steps) == (5e-6, 100)
 
 
+def test_an_override_the_profile_would_replace_is_an_error_naming_the_profiles_key():
+    """`-S train.steps=7` under a profile that sets train.steps would be silently undone by the profile."""
+    with pytest.raises(ConfigError, match=r"override 'train.steps=7': the profile big sets train.steps, and its "
+                                          r"value wins; override profiles.big.train.steps instead"):
+        resolve(RAW, ["profile=big", "train.steps=7"])
+    with pytest.raises(ConfigError, match="sets train.lr"):  # a section given whole: its shadowed leaf is named
+        resolve(RAW, ["profile=big", "train={lr: 0.1, note: x}"])
+    assert section(resolve(RAW, ["profile=big", "train.note=x"]), "train", Knobs).note == "x"  # not in the profile
+    assert section(resolve(RAW, ["profile=big", "profiles.big.train.steps=7"]), "train", Knobs).steps == 7
+    assert section(resolve(RAW, ["profile=big", "train.steps=100"]), "train", Knobs).steps == 100  # the same value
+    assert section(resolve(RAW, ["train.steps=7"]), "train", Knobs).steps == 7  # tiny sets nothing
+
+
 def test_overrides_parse_yaml_values_like_dvc_exp_run_s():
     cfg = section(resolve(RAW, ["train.steps=7", "train.mode=random", "train.taus=[1.0, 0.9]"]), "train", Knobs)
     assert (cfg.steps, cfg.mode, cfg.taus) == (7, "random", [1.0, 0.9])

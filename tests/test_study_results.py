@@ -75,3 +75,63 @@ def test_a_study_without_dvc_stops_before_it_touches_anything(tmp_path):
     assert run.returncode == 127 and "dvc not found: run `make install`" in run.stderr
     assert (repo / "results" / "smollm2" / "report.md").read_text() == "the last study's report"
     assert not (repo / "build").exists()
+
+
+def _fake_tools(bin_dir, params_status: int = 0):
+    """Stand-ins for dvc and mars that record their arguments: what the script asks of them is under test."""
+    bin_dir.mkdir()
+    for tool, status in (("dvc", 0), ("mars", params_status)):
+        script = bin_dir / tool
+        script.write_text(f'#!/bin/sh\necho "{tool} $*" >> "$CALLS"\nexit {status}\n')
+        script.chmod(0o755)
+
+
+def _project(tmp_path):
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    repo = tmp_path / "project"
+    (repo / "infra").mkdir(parents=True)
+    shutil.copy2(Path(__file__).resolve().parents[1] / "infra" / "study.sh", repo / "infra" / "study.sh")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"], cwd=repo, check=True)
+    return repo
+
+
+def _study(repo, tmp_path, *args):
+    import subprocess
+
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "CALLS": str(tmp_path / "calls")}
+    return subprocess.run(["bash", "infra/study.sh", *args], cwd=repo, capture_output=True, text=True, env=env)
+
+
+def test_a_variant_starts_from_the_profiles_study_and_reuses_its_outputs(tmp_path):
+    repo = _project(tmp_path)
+    _fake_tools(tmp_path / "bin")
+    seed = repo / "build" / "study-smollm2"
+    for path in ("models/base/model.safetensors", "data/distilled/train.jsonl", "data/distill_work/shard-0.jsonl",
+                 "data/prepared/train.jsonl", "checkpoints/mars/final/model.safetensors",
+                 "checkpoints/mars/steps/step-00000010/model.safetensors"):
+        (seed / path).parent.mkdir(parents=True, exist_ok=True)
+        (seed / path).write_text(path)
+    (seed / "dvc.lock").write_text("schema: '2.0'\n")
+    run = _study(repo, tmp_path, "smollm2", "e1", "-S", "profiles.smollm2.train.mars.epochs=1")
+    work = repo / "build" / "study-e1"
+    assert "starting from" in run.stdout and (work / "dvc.lock").read_text() == "schema: '2.0'\n"
+    for path in ("models/base/model.safetensors", "data/distilled/train.jsonl", "data/distill_work/shard-0.jsonl",
+                 "data/prepared/train.jsonl", "checkpoints/mars/final/model.safetensors"):
+        assert (work / path).read_text() == path  # the pool and what was built on it
+    assert not (work / "checkpoints" / "mars" / "steps").exists()  # a changed run starts over, not from its steps
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[0] == "mars params -S profile=smollm2 -S profiles.smollm2.train.mars.epochs=1"
+    assert calls[1] == "dvc exp run -S profile=smollm2 -S profiles.smollm2.train.mars.epochs=1"
+
+
+def test_an_override_the_profile_would_replace_stops_the_study_before_it_clones(tmp_path):
+    repo = _project(tmp_path)
+    _fake_tools(tmp_path / "bin", params_status=2)  # mars params refuses the override (tests/test_config.py)
+    run = _study(repo, tmp_path, "smollm2", "e1", "-S", "train.mars.epochs=1")
+    assert run.returncode == 2 and not (repo / "build").exists()
+    assert (tmp_path / "calls").read_text().splitlines() == ["mars params -S profile=smollm2 -S train.mars.epochs=1"]
