@@ -109,10 +109,22 @@ def test_each_stage_reads_data_produced_upstream(dvc_yaml):
 def test_listed_params_exist_for_every_profile(dvc_yaml, params, profile):
     for name, stage in dvc_yaml["stages"].items():
         for key in stage_params(stage, profile):
-            if key.startswith("profiles."):
-                assert key.split(".", 1)[1] in params["profiles"], f"{name}: profile {profile} missing"
-            else:
-                lookup(params, key)  # KeyError names the key
+            lookup(params, key)  # KeyError names the key (a profile names every tracked section, {} at least)
+
+
+def test_a_stage_tracks_the_profiles_copy_of_each_section_it_reads_and_no_more(dvc_yaml, params):
+    """So a variant overriding one section of the profile reruns the stages that read it, and a profile
+    cannot set a section no stage would see change."""
+    tracked = set()
+    for name, stage in dvc_yaml["stages"].items():
+        listed = stage.get("params", [])
+        sections = {k.split(".")[0] for k in listed if not k.startswith("profiles") and k not in ("profile", "seed")}
+        own = {k.split(".")[2] for k in listed if k.startswith("profiles.${profile}.")}
+        assert "profile" in listed and "profiles.${profile}" not in listed, name  # the whole profile: every stage
+        assert own == sections, f"{name}: reads {sorted(sections)}, tracks the profile's {sorted(own)}"
+        tracked |= own
+    for profile, sections in params["profiles"].items():
+        assert set(sections) == tracked, f"profiles.{profile}: {sorted(set(sections) ^ tracked)}"
 
 
 def test_training_stages_track_every_shared_train_key(dvc_yaml, params):
@@ -121,7 +133,7 @@ def test_training_stages_track_every_shared_train_key(dvc_yaml, params):
         listed = set(dvc_yaml["stages"][name]["params"])
         assert shared <= listed, f"{name}: does not track {sorted(shared - listed)}"
         assert f"train.{name}" in listed
-        assert "seed" in listed and "profile" in listed and "profiles.${profile}" in listed
+        assert "seed" in listed and "profile" in listed and "profiles.${profile}.train" in listed
     assert "train.mars" not in dvc_yaml["stages"]["sft"]["params"]  # a B change reuses the SFT checkpoint
 
 
