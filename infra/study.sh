@@ -11,9 +11,10 @@
 #
 # A variant overrides the profile's own keys (`-S profiles.smollm2.train.mars.epochs=1`): a top-level key
 # the profile also sets would be replaced by the profile's value, so it is refused before anything runs.
-# A new variant's clone starts from the profile's study (build/study-PROFILE): its dvc.lock and the stage
-# outputs it has (the base, the distilled pool, the prepared data, final checkpoints), so the stages whose
-# params, code and inputs the variant leaves alone are skipped, the distillation above all.
+# A new variant's clone starts from the profile's study (build/study-PROFILE): its dvc.lock, its DVC cache
+# and the stage outputs it has (the base, the distilled pool, the prepared data, final checkpoints), so the
+# stages whose params, code and inputs the variant leaves alone are skipped, the distillation above all.
+# Keys the profile lacks are added as dvc exp run adds them: `-S +profiles.tiny.train.lr=0.002`.
 set -uo pipefail
 invocation="infra/study.sh $*"
 profile=${1:?usage: infra/study.sh PROFILE [NAME -S KEY=VALUE ...]}
@@ -38,8 +39,10 @@ seed=$root/build/study-$profile
 if [ ! -d "$work/.git" ]; then
   git clone -q "$root" "$work" || exit 1
   if [ "$name" != "$profile" ] && [ -f "$seed/dvc.lock" ]; then
-    echo "study $name: starting from $seed's dvc.lock and outputs"
+    echo "study $name: starting from $seed's dvc.lock, outputs and DVC cache"
     cp "$seed/dvc.lock" "$work/dvc.lock"
+    # its cache too: DVC takes an output that its cache lacks for a changed stage
+    cache=$(cd "$seed" && dvc cache dir) && (cd "$work" && dvc cache dir --local "$cache") || exit 1
     for out in models/base data/distilled data/distill_work data/prepared checkpoints/*/final; do
       for path in "$seed"/$out; do
         [ -e "$path" ] || continue

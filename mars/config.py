@@ -58,7 +58,8 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected section.key=value")
     key, raw = text.split("=", 1)
-    return key.strip().split("."), load_yaml(raw)
+    # `+key=value` adds a key params.yaml lacks, `++key=value` adds or replaces: dvc exp run -S's (Hydra's) syntax
+    return key.strip().removeprefix("++").removeprefix("+").split("."), load_yaml(raw)
 
 
 def _shadowed(path: list[str], given, resolved) -> list[str] | None:

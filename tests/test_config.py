@@ -51,6 +51,9 @@ def test_an_override_the_profile_would_replace_is_an_error_naming_the_profiles_k
     assert section(resolve(RAW, ["profile=big", "profiles.big.train.steps=7"]), "train", Knobs).steps == 7
     assert section(resolve(RAW, ["profile=big", "train.steps=100"]), "train", Knobs).steps == 100  # the same value
     assert section(resolve(RAW, ["train.steps=7"]), "train", Knobs).steps == 7  # tiny sets nothing
+    # dvc exp run -S adds a key the file lacks with +key=value (Hydra's syntax): the same override here
+    assert section(resolve(RAW, ["+profiles.tiny.train.note=x"]), "train", Knobs).note == "x"
+    assert section(resolve(RAW, ["++train.steps=7"]), "train", Knobs).steps == 7
 
 
 def test_overrides_parse_yaml_values_like_dvc_exp_run_s():

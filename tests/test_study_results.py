@@ -82,7 +82,8 @@ def _fake_tools(bin_dir, params_status: int = 0):
     bin_dir.mkdir()
     for tool, status in (("dvc", 0), ("mars", params_status)):
         script = bin_dir / tool
-        script.write_text(f'#!/bin/sh\necho "{tool} $*" >> "$CALLS"\nexit {status}\n')
+        where = '[ "$*" = "cache dir" ] && echo "$PWD/.dvc/cache"\n' if tool == "dvc" else ""
+        script.write_text(f'#!/bin/sh\necho "{tool} $*" >> "$CALLS"\n{where}exit {status}\n')
         script.chmod(0o755)
 
 
@@ -125,8 +126,9 @@ def test_a_variant_starts_from_the_profiles_study_and_reuses_its_outputs(tmp_pat
         assert (work / path).read_text() == path  # the pool and what was built on it
     assert not (work / "checkpoints" / "mars" / "steps").exists()  # a changed run starts over, not from its steps
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert calls[0] == "mars params -S profile=smollm2 -S profiles.smollm2.train.mars.epochs=1"
-    assert calls[1] == "dvc exp run -S profile=smollm2 -S profiles.smollm2.train.mars.epochs=1"
+    assert calls == ["mars params -S profile=smollm2 -S profiles.smollm2.train.mars.epochs=1",
+                     "dvc cache dir", f"dvc cache dir --local {seed}/.dvc/cache",  # the profile study's cache
+                     "dvc exp run -S profile=smollm2 -S profiles.smollm2.train.mars.epochs=1"]
 
 
 def test_an_override_the_profile_would_replace_stops_the_study_before_it_clones(tmp_path):

@@ -364,8 +364,8 @@ class CachedBatch:
             stepping = torch.ones_like(u, dtype=torch.bool) if commit_now else u <= block
             width = max(block, int(need[stepping].max()))
             index = cached[:, None] + self.offsets[:width]
-        self.last_slots = max(1 + t if tree else s.slots(slots)
-                              for s, tree, t in zip(settings, trees.is_tree.tolist(), trees.width.tolist()))
+        # the serving policy files a step's cost under this: a tree's widest window, whatever this step's tree
+        self.last_slots = max(s.slots(slots) for s in settings)
         # A row reads its last real token, each draft (lossless) and each mask, or its tree window; past
         # them it re-reads its last entry (unused), and a waiting row's reads stay inside the window.
         read_slot = torch.arange(max(slots + int(drafts.max()), 1 + int(trees.width.max())))
