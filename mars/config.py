@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 import re
 import types
 import typing
@@ -70,7 +71,9 @@ def _shadowed(path: list[str], given, resolved) -> list[str] | None:
             if hit is not None:
                 return hit
         return None
-    return None if given == resolved else path
+    same = given == resolved or (isinstance(given, float) and isinstance(resolved, float)
+                                 and math.isnan(given) and math.isnan(resolved))  # a .nan override: checked later
+    return None if same else path
 
 
 def resolve(raw: dict, overrides: typing.Iterable[str] = (), source: str = "params.yaml") -> dict:
