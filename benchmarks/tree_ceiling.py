@@ -32,7 +32,8 @@ from mars.core.checkpoint_info import CheckpointInfo  # noqa: E402
 from mars.core.models import load_model  # noqa: E402
 from mars.decoding.generate import context_length_of, encode_prompts, generate, stop_token_ids_of  # noqa: E402
 from mars.decoding.tree import CHAIN, ROOT_ONLY, TreeShape, build_tree, verify  # noqa: E402
-from mars.decoding.tree_reference import decode_tree_no_cache, model_mask  # noqa: E402
+from mars.decoding.torch_backend import attention_mask  # noqa: E402
+from mars.decoding.tree_reference import decode_tree_no_cache  # noqa: E402
 
 CHAT = Path(__file__).resolve().parent / "prompts" / "chat.jsonl"
 SHAPES = {  # label: what the row measures
@@ -87,7 +88,7 @@ def force(model, prompt: list[int], continuation: list[int], room: int, block_si
         allowed[total:, :total] = torch.arange(total)[None, :] <= owner[:, None]
         allowed[total:, total:] = torch.block_diag(*[torch.ones(m, m, dtype=torch.bool).tril()] * g)
         logits = model(input_ids=ids[None].to(model.device), position_ids=positions[None].to(model.device),
-                       attention_mask=model_mask(model, allowed[None].to(model.device))).logits[0, total:]
+                       attention_mask=attention_mask(model, allowed[None].to(model.device))).logits[0, total:]
         logp = logits.float().log_softmax(-1).cpu().reshape(g, m, -1)
         target = cs[:, None] + 2 + j  # mask j after position c predicts the token at c + 2 + j
         inside = target < total

@@ -18,8 +18,8 @@ from mars.decoding.generate import decode_cached, generate
 from mars.decoding.reference import decode_no_cache
 from mars.decoding.setting import Setting
 from mars.decoding.tree import CHAIN, ROOT, ROOT_ONLY, Tree, TreeShape, Verdict, build_tree, tree_window, verify
-from mars.decoding.torch_backend import TorchBackend
-from mars.decoding.tree_reference import decode_tree_no_cache, model_mask, window_mask
+from mars.decoding.torch_backend import TorchBackend, attention_mask
+from mars.decoding.tree_reference import decode_tree_no_cache, window_mask
 from mars.errors import ConfigError, MarsError
 
 ROOMS = [16, 5, 16, 9, 1, 16]
@@ -89,7 +89,7 @@ def test_every_window_entry_reads_what_its_own_path_reads_causally(arch, attn):
     positions = torch.cat([torch.arange(n), n + window.depth])[None]
     with torch.no_grad():
         logits = model(input_ids=ids, position_ids=positions,
-                       attention_mask=model_mask(model, window_mask(window, n)[None])).logits[0, n:]
+                       attention_mask=attention_mask(model, window_mask(window, n)[None])).logits[0, n:]
 
         def causal(tokens, last):
             return model(input_ids=torch.tensor([prefix + tokens])).logits[0, -last:]

@@ -51,7 +51,7 @@ from mars.errors import MarsError
 LEAN_MODEL_TYPES = ("llama", "qwen2")
 
 
-def _attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
+def attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
     """``allowed [b, q, k]`` in the form the model's attention takes as a 4D mask (used as given)."""
     impl = getattr(model.config, "_attn_implementation", "sdpa")
     if impl == "sdpa":
@@ -170,7 +170,7 @@ class TorchBackend:
         self.model = model
         self.device = model.device
         config = model.config
-        _attention_mask(model, torch.ones(1, 1, 1, dtype=torch.bool))  # fail early on flash/flex attention
+        attention_mask(model, torch.ones(1, 1, 1, dtype=torch.bool))  # fail early on flash/flex attention
         self.lean = self.supports_lean(model) if lean is None else lean
         if self.lean and not self.supports_lean(model):
             raise MarsError(f"the lean forward supports {', '.join(LEAN_MODEL_TYPES)} without sliding windows, "
@@ -299,7 +299,7 @@ class TorchBackend:
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """``allowed [b, W, span]`` as :meth:`_attention` takes it for a window of W queries."""
-        mask = _attention_mask(self.model, allowed)
+        mask = attention_mask(self.model, allowed)
         if self.stack_gqa:  # query row g * W + k is query k of the group's head g
             mask = mask.repeat(1, 1, self.kv_groups, 1)
         return mask
@@ -320,7 +320,7 @@ class TorchBackend:
         b, width = ids.shape
         allowed = self.cache.window(width, allowed=allowed)
         first = 0 if read is None else int(read.min())
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=_attention_mask(self.model, allowed),
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=attention_mask(self.model, allowed),
                          cache=self.cache, use_cache=True, logits_to_keep=width - first if logits else 1)
         if not logits or read is None:
             return out.logits

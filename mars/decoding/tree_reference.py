@@ -12,12 +12,11 @@ from typing import Sequence
 
 import torch
 
-from mars.core.masking import to_additive, to_sdpa
 from mars.decoding.accept import greedy_tokens
 from mars.decoding.reference import DecodedRows
 from mars.decoding.stop_strings import StopStrings
+from mars.decoding.torch_backend import attention_mask
 from mars.decoding.tree import ROOT_ONLY, TreeShape, TreeWindow, build_tree, tree_window, verify
-from mars.errors import MarsError
 
 
 def window_mask(window: TreeWindow, n: int) -> torch.Tensor:
@@ -29,16 +28,6 @@ def window_mask(window: TreeWindow, n: int) -> torch.Tensor:
     out[n:, :n] = True
     out[n:, n:] = window.allowed
     return out
-
-
-def model_mask(model, allowed: torch.Tensor) -> torch.Tensor:
-    """``allowed [b, q, k]`` as the model's attention takes a 4D mask (used as given by transformers)."""
-    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    if impl == "sdpa":
-        return to_sdpa(allowed)
-    if impl == "eager":  # eager adds the mask to the scores: a boolean mask would be silently wrong
-        return to_additive(allowed, model.dtype)
-    raise MarsError(f"tree decoding needs attn_implementation 'sdpa' or 'eager' (4D masks), the model uses {impl!r}")
 
 
 @torch.inference_mode()
@@ -69,7 +58,7 @@ def decode_tree_no_cache(model, prompts: Sequence[Sequence[int]], *, block_size:
             positions[k, pad:] = torch.cat([torch.arange(n), n + w.depth])
             allowed[k, pad:, pad:] = window_mask(w, n)
         reads = 1 + max(w.ids.shape[0] for w in windows)  # the root, then the widest window
-        logits = model(input_ids=ids.to(dev), attention_mask=model_mask(model, allowed.to(dev)),
+        logits = model(input_ids=ids.to(dev), attention_mask=attention_mask(model, allowed.to(dev)),
                        position_ids=positions.to(dev), logits_to_keep=reads).logits.float().cpu()
         out.model_calls += 1
         for k, (i, w) in enumerate(zip(live, windows)):
