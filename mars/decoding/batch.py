@@ -412,7 +412,7 @@ class CachedBatch:
             seq.scatter_(1, torch.where(fresh_slot < new[:, None], length[:, None] + fresh_slot, trash), src)
         self.drafts = torch.where(n > 0, new, drafts)
         if trees:  # the mask group after where each tree row's accepted path ended drafts its next tree
-            self.trees = trees.next_trees(logits, n, stopped, self.room_left)
+            self.trees = trees.next_trees(logits, stopped, self.room_left)
         cut = [k for k, r in enumerate(rows) if r.stop_strings]
         for k in cut:  # a stop string ends its row at the token that completes it
             if n[k] > 0:

@@ -31,7 +31,7 @@ from mars.decoding.reference import DecodedRows, decode_no_cache
 from mars.decoding.setting import Setting
 from mars.decoding.stop_strings import StopStrings
 from mars.decoding.torch_backend import TorchBackend
-from mars.decoding.tree_shape import TreeShape
+from mars.decoding.tree_shape import TreeShape, tree_shape
 from mars.decoding.tree_reference import decode_tree_no_cache
 from mars.errors import ConfigError, MarsError
 
@@ -204,16 +204,6 @@ def _per_prompt(key: str, value, count: int, one: str) -> list:
     if len(values) != count:
         raise MarsError(f"{key}: got {len(values)} values for {count} prompts (give {one}, or one per prompt)")
     return values
-
-
-def tree_shape(tree: TreeShape | str | None, key: str = "tree") -> TreeShape | None:
-    """The draft tree a ``tree`` argument names: None or ``"off"`` for the chain of top-1 drafts, a
-    :class:`TreeShape`, or its label (``top2/16``; :meth:`TreeShape.parse`)."""
-    if tree is None or tree is False or isinstance(tree, TreeShape):  # False: YAML 1.1 reads a bare off as false
-        return tree or None
-    if isinstance(tree, str):
-        return None if tree.strip() == "off" else TreeShape.parse(tree, key)
-    raise ConfigError(f"{key}: expected off, a tree shape or its label (top2/16), got {tree!r}")
 
 
 def _settings(taus: list, modes: list, width: int | None, tree: TreeShape | None = None) -> list[Setting]:

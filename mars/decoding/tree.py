@@ -272,8 +272,7 @@ class TreeSteps:
             keep[k, : len(entries)] = torch.tensor(entries)
         return keep
 
-    def next_trees(self, logits: torch.Tensor, n: torch.Tensor, stopped: torch.Tensor,
-                   room: torch.Tensor) -> list[Tree]:
+    def next_trees(self, logits: torch.Tensor, stopped: torch.Tensor, room: torch.Tensor) -> list[Tree]:
         """Each row's tree for its next step: a placed row's from the mask group after the node that read
         its last token (``logits [b, S, V]`` at the root and its window), at most ``room - 1`` deep; no
         drafts where that node had no group or the row stopped; a waiting row keeps its own."""

@@ -81,3 +81,13 @@ class TreeShape:
         if self.max_nodes is not None:
             name += f"/{self.max_nodes}"
         return name if self.masks == "every" else f"{name}+masks:{self.masks}"
+
+
+def tree_shape(tree: TreeShape | str | None, key: str = "tree") -> TreeShape | None:
+    """The draft tree a ``tree`` argument names: None or ``"off"`` for the chain of top-1 drafts, a
+    :class:`TreeShape`, or its label (``top2/16``; :meth:`TreeShape.parse`)."""
+    if tree is None or tree is False or isinstance(tree, TreeShape):  # False: YAML 1.1 reads a bare off as false
+        return tree or None
+    if isinstance(tree, str):
+        return None if tree.strip() == "off" else TreeShape.parse(tree, key)
+    raise ConfigError(f"{key}: expected off, a tree shape or its label (top2/16), got {tree!r}")

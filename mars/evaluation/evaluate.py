@@ -30,7 +30,7 @@ from mars.core.atomic import write_json, write_jsonl
 from mars.core.digest import sha256_tree
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.decoding.setting import Setting
-from mars.decoding.tree_shape import TreeShape
+from mars.decoding.tree_shape import tree_shape
 from mars.evaluation.benchmarks import BenchmarkConfig, Context, create
 from mars.errors import ConfigError, MarsError
 from mars.evaluation.harness import LmEvalConfig
@@ -96,8 +96,8 @@ class EvalConfig:
             raise ConfigError(f"ar_taus: must be a non-empty subset of taus {self.taus}, got {self.ar_taus}")
         if self.sweep_n is not None and self.sweep_n < 1:
             raise ConfigError(f"sweep_n: must be >= 1 (or null: every item), got {self.sweep_n}")
-        if self.tree is not None:
-            TreeShape.parse(self.tree, "tree")
+        shape = tree_shape(self.tree)
+        self.tree = None if shape is None else shape.label  # off (or a bare YAML off) is the chain: no tree
         if self.reference is not None and 1.0 not in self.taus:
             raise ConfigError("reference: the comparison is with the reference's tau = 1.0 output; taus lacks 1.0")
 
