@@ -4,14 +4,15 @@
 params.yaml and outputs stay the default profile's) and then calls this: the metrics (evaluation,
 gate, training losses), eval/report.md and its figures, the distillation manifest, the prepared
 data's stats, dvc.lock and the params every stage saw go to ``results/<profile>/``, next to
-``command.json`` (the exact command, the commit, the exit status, when), and ``summary.md``, the headline
+``command.json`` (the exact command, the commit, the exit status, when, and the wall clock of every
+invocation that ran it: a resumed study is the sum of its runs), and ``summary.md``, the headline
 (:mod:`mars.evaluation.gate_summary`) where the run got as far as its gate. What is missing (a run that
 stopped early) is listed there instead of copied, so the folder always says how far the run got.
 
 Only the paths a study writes are replaced: the benchmark outputs and the README that live beside them in
 ``results/<profile>/`` come from other commands and are left alone.
 
-    python -m flows.results CLONE OUT --profile P --command "..." --status N
+    python -m flows.results CLONE OUT --profile P --command "..." --status N [--started UNIX_TIME]
 """
 
 from __future__ import annotations
@@ -46,7 +47,29 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def collect(clone: Path, out: Path, *, profile: str, command: str, status: int) -> dict:
+RUNS = "build/study_runs.jsonl"  # in the clone (ignored by git): one line per invocation of the study
+
+
+def record_run(clone: Path, started: float, status: int, ended: float | None = None) -> list[dict]:
+    """Append this invocation (start, end, exit status, commit) to the clone's run log; return every run so far.
+    An invocation killed before it got here (a machine that went away) has no line: the total undercounts it."""
+    ended = time.time() if ended is None else ended
+    if ended < started:
+        raise ValueError(f"--started {started} is after the end of the run ({ended})")
+    log = clone / RUNS
+    log.parent.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True).stdout.strip()
+    with log.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"started": _utc(started), "ended": _utc(ended), "seconds": round(ended - started, 1),
+                             "exit_status": status, "commit": commit}) + "\n")
+    return [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def collect(clone: Path, out: Path, *, profile: str, command: str, status: int, started: float | None = None) -> dict:
     """Copy what the run in ``clone`` produced into ``out``, replacing the previous study's copy of each path
     (a path this run did not produce is removed too, so no stale file sits beside the new command.json); return
     command.json."""
@@ -76,8 +99,10 @@ def collect(clone: Path, out: Path, *, profile: str, command: str, status: int) 
         (out / "params.resolved.json").write_text(resolved.stdout)
         copied.append("params.resolved.json")
     record = {"command": command, "profile": profile, "commit": commit, "exit_status": status,
-              "collected_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "copied": copied,
-              "missing": missing}
+              "collected_at": _utc(time.time()), "copied": copied, "missing": missing}
+    if started is not None:  # the study's wall clock: every invocation of this clone, resumed ones summed
+        runs = record_run(clone, started, status)
+        record.update(runs=runs, hours=round(sum(r["seconds"] for r in runs) / 3600, 2))
     (out / "command.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
@@ -89,10 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", required=True)
     parser.add_argument("--command", required=True, help="the command that ran the study, as typed")
     parser.add_argument("--status", type=int, default=0, help="its exit status")
+    parser.add_argument("--started", type=float, help="when this invocation started (Unix time): its wall clock "
+                        "is logged in the clone, and command.json sums every invocation's")
     args = parser.parse_args(argv)
-    record = collect(args.clone, args.out, profile=args.profile, command=args.command, status=args.status)
+    record = collect(args.clone, args.out, profile=args.profile, command=args.command, status=args.status,
+                     started=args.started)
     print(f"results of {args.profile} (exit {record['exit_status']}) -> {args.out}"
-          + (f"; missing: {', '.join(record['missing'])}" if record["missing"] else ""))
+          + (f"; missing: {', '.join(record['missing'])}" if record["missing"] else "")
+          + (f"; {record['hours']} h over {len(record['runs'])} run(s)" if "runs" in record else ""))
     return 0
 
 

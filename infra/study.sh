@@ -55,8 +55,9 @@ fi
 cd "$work" || exit 1
 export PYTHONPATH=$work  # the clone's code, not the checkout's (the venv's editable install points there)
 echo "study $name ($profile $*): $(git rev-parse HEAD) in $work, $(date -u +%FT%TZ)"
+started=$(date +%s)
 dvc exp run -S "profile=$profile" "$@"
 status=$?
 python -m flows.results "$work" "$root/results/$name" --profile "$profile" \
-  --command "$invocation" --status "$status"
+  --command "$invocation" --status "$status" --started "$started"
 exit $status

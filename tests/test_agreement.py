@@ -37,3 +37,16 @@ def test_the_reference_log_probability_is_teacher_forced_on_each_prompt_whatever
                      [dict(r, id=str(i)) for i, r in enumerate(rows)], model, batch_size=2)
     assert means["agree_exact"] == 1.0
     assert means["ref_logprob"] == pytest.approx(sum(t for t, _ in batched) / 6, abs=1e-5)  # per token, not per item
+
+
+def test_an_output_already_scored_is_not_forwarded_again():
+    model = tiny_model()
+    calls = []
+    model.register_forward_hook(lambda module, args, kwargs, out: calls.append(1), with_kwargs=True)
+    rows = [{"prompt_token_ids": [3, 4], "token_ids": [5, 6, 7]}, {"prompt_token_ids": [8], "token_ids": [9]}]
+    memo: dict = {}
+    first = token_logprobs(model, rows, batch_size=1, memo=memo)
+    assert len(calls) == 2
+    # the same outputs in another entry (a lossless output and its tau = 1 twin), one twice: no forward at all
+    again = token_logprobs(model, [rows[1], rows[0], dict(rows[0])], batch_size=1, memo=memo)
+    assert len(calls) == 2 and again == [first[1], first[0], first[0]]

@@ -172,6 +172,26 @@ def test_the_tau_sweep_may_decode_a_seeded_subset(ar_checkpoint, tmp_path):
         toy_config(sweep_n=0)
 
 
+def test_agreement_with_the_reference_is_measured_on_the_items_every_tau_decodes(ar_checkpoint, tmp_path):
+    other = make_checkpoint(tmp_path / "other", seed=1, trained=False)
+    metrics = evaluate.run({"sft": str(ar_checkpoint), "other": str(other)},
+                           toy_config(taus=[1.0, 0.8], sweep_n=5, reference="sft"), data_dir=None,
+                           out_dir=tmp_path / "eval", metrics_path=tmp_path / "eval.json", train_metrics_dir=None,
+                           log=lambda *_: None)
+    swept = {r["id"] for r in read_jsonl(tmp_path / "eval" / "sft" / "toy" / "tau=0.8.jsonl")}
+    for key, entry in metrics.items():
+        rows = read_jsonl(tmp_path / "eval" / f"{key}.jsonl")
+        assert entry["agreement_n"] == 5 and {r["id"] for r in rows if "agree_exact" in r} == swept, key
+        measured = [r for r in rows if r["id"] in swept]
+        assert entry["ref_logprob"] == pytest.approx(sum(r["ref_logprob_sum"] for r in measured)
+                                                     / sum(len(r["token_ids"]) for r in measured))
+    assert metrics["sft/toy/tau=1.0"]["agree_exact"] == 1.0  # the reference against itself
+    assert metrics["other/toy/tau=1.0"]["agree_exact"] == 0.0  # random weights: never the trained answer
+    # the tau = 1.0 twin of the lossless output: the same measures
+    assert {k: v for k, v in metrics["sft/toy/tau=1.0"].items() if k.startswith(("agree", "ref_"))} == \
+        {k: v for k, v in metrics["sft/toy/lossless"].items() if k.startswith(("agree", "ref_"))}
+
+
 def test_the_cli_reads_params_and_checkpoints(ar_checkpoint, tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(

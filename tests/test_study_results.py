@@ -34,6 +34,20 @@ def test_collect_replaces_only_the_study_paths(tmp_path):
     assert {"metrics", "report.md", "figures", "dvc.lock", "params.yaml"} <= set(record["copied"])
 
 
+def test_a_resumed_study_sums_the_wall_clock_of_its_invocations(tmp_path):
+    clone, out = tmp_path / "clone", tmp_path / "results" / "smollm2"
+    clone.mkdir()
+    now = __import__("time").time()
+    first = results.collect(clone, out, profile="smollm2", command="infra/study.sh smollm2", status=1,
+                            started=now - 3600)  # cut off after an hour
+    second = results.collect(clone, out, profile="smollm2", command="infra/study.sh smollm2", status=0,
+                             started=now - 1800)  # resumed: half an hour more
+    assert first["hours"] == 1.0 and len(first["runs"]) == 1
+    assert [r["exit_status"] for r in second["runs"]] == [1, 0] and 1.49 <= second["hours"] <= 1.51
+    assert json.loads((out / "command.json").read_text())["hours"] == second["hours"]
+    assert "runs" not in results.collect(clone, out, profile="smollm2", command="c", status=0)  # no start: no time
+
+
 def test_a_study_that_reached_its_gate_gets_its_headline(tmp_path):
     from test_gate import GateConfig, Outcomes, loses
 

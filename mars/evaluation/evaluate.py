@@ -12,8 +12,8 @@ For each checkpoint (``--checkpoint NAME=DIR``, e.g. sft, ar_control, mars), eac
   forwards, summed over items), ``tokens``, ``forwards``, ``seconds`` (decoding wall clock),
   ``tokens_per_s``, ``n``, ``tau`` (null for lossless), ``mode``, ``block_size``,
   ``checkpoint_sha256`` (:func:`mars.core.digest.sha256_tree` of the folder evaluated: the gate binds to it)
-  (+ ``agree_exact``, ``agree_prefix``, ``agree_prefix_frac``, ``ref_logprob`` against ``evaluate.reference``:
-  :mod:`mars.evaluation.agreement`);
+  (+ ``agree_exact``, ``agree_prefix``, ``agree_prefix_frac``, ``ref_logprob`` against ``evaluate.reference``
+  over the ``sweep_n`` items, and their count ``agreement_n``: :mod:`mars.evaluation.agreement`);
 - ``<out>/plots/<benchmark>/<checkpoint>.json``: accuracy vs tokens/forward rows for ``dvc plots``;
 - ``<out>/figures/*.png`` and ``<out>/report.md`` (:mod:`mars.evaluation.plots`).
 """
@@ -68,8 +68,8 @@ class EvalConfig:
     benchmarks: dict[str, BenchmarkConfig] = field(default_factory=_default_benchmarks)
     ar_taus: list[float] | None = None  # taus for AR checkpoints (objective ar); None: taus. [1.0] skips the sweep
                                         # below tau = 1, where a model never trained with masks is known to fail
-    reference: str | None = None  # a checkpoint name: every output is compared with its tau = 1.0 output
-                                  # (mars.evaluation.agreement); None: no agreement measures
+    reference: str | None = None  # a checkpoint name: the outputs of the sweep_n items are compared with its
+                                  # tau = 1.0 output (mars.evaluation.agreement); None: no agreement measures
     lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)  # lm-evaluation-harness tasks over the same
                                                                  # sweep (mars.evaluation.harness)
     lossless: bool = True  # also decode each benchmark in lossless mode (key <checkpoint>/<benchmark>/lossless):
@@ -229,9 +229,12 @@ def write_plot_data(metrics: dict, out_dir: Path) -> list[Path]:
     return written
 
 
-def add_agreement(metrics: dict, checkpoints: dict[str, str], cfg: EvalConfig, out_dir: Path, log=print) -> None:
-    """Every entry against ``cfg.reference``'s tau = 1.0 outputs (:mod:`mars.evaluation.agreement`): the
-    per-item measures go into the outputs, their means into the entries."""
+def add_agreement(metrics: dict, checkpoints: dict[str, str], cfg: EvalConfig, out_dir: Path, items: dict,
+                  log=print) -> None:
+    """Every entry against ``cfg.reference``'s tau = 1.0 outputs (:mod:`mars.evaluation.agreement`), over the
+    items every tau decodes (the ``sweep_n`` subset of each benchmark's ``items``), so that each entry's drift is measured on the same items
+    (and a teacher-forced pass over every item of every checkpoint, as costly as decoding them, is spared): the
+    per-item measures go into those items' outputs, their means into the entries."""
     from mars.core.models import load_model
     from mars.evaluation import agreement
 
@@ -240,14 +243,19 @@ def add_agreement(metrics: dict, checkpoints: dict[str, str], cfg: EvalConfig, o
                           f"(have {', '.join(checkpoints)})")
     model, _ = load_model(checkpoints[cfg.reference], dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
                           device=cfg.device)
+    memo: dict = {}  # outputs that several entries share are scored once
+    subset = {bench: {it.id for it in sweep_items(its, cfg.sweep_n, cfg.seed, bench)} for bench, its in items.items()}
     for key_text, entry in metrics.items():
         key = MetricKey.parse(key_text)
         rows = read_jsonl(key.outputs_path(out_dir))
+        ids = subset.get(key.benchmark)  # None: an lm-eval task, whose documents are the same at every tau
+        measured = rows if ids is None else [r for r in rows if r["id"] in ids]
         reference = read_jsonl(MetricKey(cfg.reference, key.benchmark, 1.0).outputs_path(out_dir))
-        entry.update(agreement.annotate(rows, reference, model, cfg.batch_size))
+        entry.update(agreement.annotate(measured, reference, model, cfg.batch_size, memo), agreement_n=len(measured))
         write_jsonl(key.outputs_path(out_dir), rows)
-        log(f"{key_text}: agrees with {cfg.reference} on {entry['agree_exact']:.1%} of items, matched prefix "
-            f"{entry['agree_prefix']:.1f} tokens; {cfg.reference} log-prob {entry['ref_logprob']:.3f}/token")
+        log(f"{key_text}: agrees with {cfg.reference} on {entry['agree_exact']:.1%} of {len(measured)} items, "
+            f"matched prefix {entry['agree_prefix']:.1f} tokens; {cfg.reference} log-prob "
+            f"{entry['ref_logprob']:.3f}/token")
 
 
 def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, out_dir: str | Path,
@@ -279,7 +287,7 @@ def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, o
         metrics.update({key: {**entry, "checkpoint_sha256": digest} for key, entry in entries.items()})
         del model
     if cfg.reference is not None:
-        add_agreement(metrics, checkpoints, cfg, out_dir, log=log)
+        add_agreement(metrics, checkpoints, cfg, out_dir, items, log=log)
     write_json(metrics_path, metrics)
     write_plot_data(metrics, out_dir)
     plots.render_all(metrics, out_dir, train_metrics_dir=train_metrics_dir, checkpoints=checkpoints)

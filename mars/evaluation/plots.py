@@ -122,16 +122,16 @@ def plot_training(tsvs: dict[str, Path], path: Path) -> Path | None:
 
 
 def _table(per_ckpt: dict[str, list[dict]]) -> list[str]:
-    # agreement with evaluate.reference (mars.evaluation.agreement), where it was measured
+    # agreement with evaluate.reference (mars.evaluation.agreement), where it was measured, over its items
     agreement = any("agree_exact" in r for rows in per_ckpt.values() for r in rows)
-    extra = " agrees % | matched prefix | ref log-prob |" if agreement else ""
+    extra = " agrees % (items) | matched prefix | ref log-prob |" if agreement else ""
     lines = ["| checkpoint | tau | score | tokens/forward | forwards | seconds | tokens/s | n |" + extra,
              "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if agreement else "")]
     for ckpt, rows in per_ckpt.items():
         for r in rows:
             tau = "lossless" if r["tau"] is None else f"{r['tau']:g}"
-            more = (f" {100 * r['agree_exact']:.1f} | {r['agree_prefix']:.1f} | {r['ref_logprob']:.3f} |"
-                    if agreement else "")
+            more = (f" {100 * r['agree_exact']:.1f} ({r.get('agreement_n', r['n'])}) | {r['agree_prefix']:.1f} | "
+                    f"{r['ref_logprob']:.3f} |" if agreement else "")
             # a tau = 1.0 entry taken from the lossless decode (fp32) has no time of its own
             timing = ("from lossless | - " if r.get("derived_from") else
                       f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f}")
