@@ -11,7 +11,9 @@ Prompt sources (``distill.*``, each on when it asks for rows), pooled in this or
 - ``builtin``: prompts of the built-in suite's train split (:mod:`mars.training.suite`);
 - ``jsonl``: a JSONL file of prompts;
 - ``datasets``: a column of a ``datasets`` data set (a hub name needs the hub: offline that fails
-  with a message saying so) or a local dataset directory.
+  with a message saying so) or a local dataset directory;
+- ``self_prompts``: user messages the base writes itself after its chat template's user-turn header
+  (:mod:`mars.training.self_prompts`), evaluation prompts left out.
 
 Decoding: :func:`mars.decoding.generate.generate` at tau = 1.0 (greedy AR exactly), batched, in the
 configured dtype (``auto``: bfloat16 where the CPU or GPU has bf16 matrix units; distil in the dtype
@@ -40,6 +42,7 @@ from typing import Literal
 from mars.core.atomic import JSON_ERRORS, atomic_dir, json_problem, read_json, write_json, write_jsonl
 from mars.core.digest import sha256_chunks
 from mars.errors import ConfigError, DataError, MarsError
+from mars.training.self_prompts import SelfPromptsSource
 from mars.training.tasks import TasksConfig
 
 FORMAT_VERSION = 1
@@ -88,6 +91,7 @@ class DistillConfig:
     builtin: BuiltinSource = field(default_factory=BuiltinSource)
     jsonl: JsonlSource = field(default_factory=JsonlSource)
     datasets: DatasetsSource = field(default_factory=DatasetsSource)
+    self_prompts: SelfPromptsSource = field(default_factory=SelfPromptsSource)
     max_new_tokens: int = 96
     hit_limit: Literal["keep", "drop"] = "drop"  # responses that reached max_new_tokens (no EOS): counted either way
     batch_size: int = 16
@@ -196,8 +200,9 @@ def _datasets(src: DatasetsSource) -> list[Prompt]:
     return out
 
 
-def build_pool(cfg: DistillConfig, tasks: TasksConfig) -> tuple[list[Prompt], dict]:
-    """Every prompt of the enabled sources, in a fixed order, ids unique; and the pool's counts."""
+def build_pool(cfg: DistillConfig, tasks: TasksConfig, self_prompts: list[dict] | None = None) -> tuple[list[Prompt], dict]:
+    """Every prompt of the enabled sources, in a fixed order, ids unique; and the pool's counts. ``self_prompts``:
+    what the base wrote (:func:`mars.training.self_prompts.generate`; it needs the model, this does not)."""
     counts: dict = {"heldout_overlap_dropped": {}}
     pool: list[Prompt] = []
     if cfg.reasoning_gym.enabled:
@@ -210,8 +215,10 @@ def build_pool(cfg: DistillConfig, tasks: TasksConfig) -> tuple[list[Prompt], di
         pool += _jsonl(cfg.jsonl)
     if cfg.datasets.name is not None:
         pool += _datasets(cfg.datasets)
+    pool += [Prompt(r["id"], "self_prompts", "self_prompts", r["prompt"]) for r in self_prompts or []]
     if not pool:
-        raise ConfigError("distill: enabled, but no prompt source is on (reasoning_gym, builtin, jsonl, datasets)")
+        raise ConfigError("distill: enabled, but no prompt source is on "
+                          "(reasoning_gym, builtin, jsonl, datasets, self_prompts)")
     ids = Counter(p.id for p in pool)
     repeated = [i for i, c in ids.items() if c > 1]
     if repeated:
@@ -256,7 +263,8 @@ def _fingerprint(pool: list[Prompt], digest: str, settings: dict, rows_per_shard
 
 
 def _prepare_work(work: Path, fingerprint: dict) -> list[int]:
-    """The work folder for this run, and the shards already done (a different run's are removed)."""
+    """The work folder for this run, and the shards already done (a different run's are removed; the sampled
+    self-prompts in their folder have a fingerprint of their own)."""
     path = work / FINGERPRINT
     if path.is_file():
         try:
@@ -264,7 +272,8 @@ def _prepare_work(work: Path, fingerprint: dict) -> list[int]:
         except MarsError:
             same = False
         if not same:
-            shutil.rmtree(work)
+            for old in [path, *work.glob("shard-*.jsonl")]:
+                old.unlink()
     work.mkdir(parents=True, exist_ok=True)
     if not path.is_file():
         write_json(path, fingerprint)
@@ -296,9 +305,17 @@ def distill(cfg: DistillConfig, tasks: TasksConfig, base: str | Path, out: str |
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    pool, counts = build_pool(cfg, tasks)
     settings = decoding_settings(cfg)
     digest = model_digest(base)
+    written = None
+    if cfg.self_prompts.n:
+        from mars.training import self_prompts
+
+        written, dropped = self_prompts.generate(cfg.self_prompts, base, work / "self_prompts", dtype=settings["dtype"],
+                                                 device=cfg.device, digest=digest, log=log)
+    pool, counts = build_pool(cfg, tasks, written)
+    if written is not None:
+        counts["self_prompts"] = dropped
     fingerprint = _fingerprint(pool, digest, settings, cfg.rows_per_shard)
     done = set(_prepare_work(work, fingerprint))
     shards = [pool[i:i + cfg.rows_per_shard] for i in range(0, len(pool), cfg.rows_per_shard)]
