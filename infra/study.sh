@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A profile's whole study from nothing, offline: `infra/study.sh smollm2` (or `make study PROFILE=smollm2`).
-#   infra/study.sh PROFILE [NAME -S KEY=VALUE ...]   a variant: its own clone and results/NAME/
+#   infra/study.sh PROFILE [NAME [--from STUDY] -S KEY=VALUE ...]   a variant: its own clone and results/NAME/
 #
 # It runs in its own clone of this checkout's HEAD (build/study-NAME, NAME defaulting to PROFILE), so
 # the checkout keeps the default profile's params.yaml and outputs: `dvc exp run -S profile=PROFILE
@@ -14,12 +14,19 @@
 # A new variant's clone starts from the profile's study (build/study-PROFILE): its dvc.lock, its DVC cache
 # and the stage outputs it has (the base, the distilled pool, the prepared data, final checkpoints), so the
 # stages whose params, code and inputs the variant leaves alone are skipped, the distillation above all.
+# `--from STUDY` starts it from build/study-STUDY instead: variants of a variant's pool distil it once
+# (`infra/study.sh smollm2 pool-b8 --from pool -S ...`, repeating pool's own overrides).
 # Keys the profile lacks are added as dvc exp run adds them: `-S +profiles.tiny.train.lr=0.002`.
 set -uo pipefail
 invocation="infra/study.sh $*"
 profile=${1:?usage: infra/study.sh PROFILE [NAME -S KEY=VALUE ...]}
 name=${2:-$profile}
 shift $(( $# >= 2 ? 2 : 1 ))
+from=$profile
+if [ "${1:-}" = "--from" ]; then
+  from=${2:?usage: infra/study.sh PROFILE NAME --from STUDY [-S KEY=VALUE ...]}
+  shift 2
+fi
 root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 # the project's venv (make install) when dvc is not on PATH; checked before anything runs, so a missing
 # tool cannot end a study whose collection would then replace the last results with nothing
@@ -35,7 +42,11 @@ done
 # the overrides as the stages will read them: a bad key, or one the profile would replace, stops it here
 (cd "$root" && mars params -S "profile=$profile" "$@" > /dev/null) || exit 2
 work=$root/build/study-$name
-seed=$root/build/study-$profile
+seed=$root/build/study-$from
+if [ "$from" != "$profile" ] && [ ! -f "$seed/dvc.lock" ]; then
+  echo "infra/study.sh: --from $from: $seed has no dvc.lock (run that study first)" >&2
+  exit 2
+fi
 if [ ! -d "$work/.git" ]; then
   git clone -q "$root" "$work" || exit 1
   if [ "$name" != "$profile" ] && [ -f "$seed/dvc.lock" ]; then

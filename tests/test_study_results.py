@@ -145,6 +145,23 @@ def test_a_variant_starts_from_the_profiles_study_and_reuses_its_outputs(tmp_pat
                      "dvc exp run -S profile=smollm2 -S profiles.smollm2.train.mars.epochs=1"]
 
 
+def test_a_variant_may_start_from_another_variants_study(tmp_path):
+    repo = _project(tmp_path)
+    _fake_tools(tmp_path / "bin")
+    pool = repo / "build" / "study-pool"
+    (pool / "data" / "distilled").mkdir(parents=True)
+    (pool / "data" / "distilled" / "train.jsonl").write_text("the bigger pool")
+    (pool / "dvc.lock").write_text("schema: '2.0'\n")
+    run = _study(repo, tmp_path, "smollm2", "pool-b8", "--from", "pool", "-S", "profiles.smollm2.train.mars.block_size=8")
+    assert run.returncode == 0 and f"starting from {pool}'s dvc.lock" in run.stdout
+    assert (repo / "build" / "study-pool-b8" / "data" / "distilled" / "train.jsonl").read_text() == "the bigger pool"
+    assert (tmp_path / "calls").read_text().splitlines()[-1] == \
+        "dvc exp run -S profile=smollm2 -S profiles.smollm2.train.mars.block_size=8"
+    missing = _study(repo, tmp_path, "smollm2", "other", "--from", "nothing", "-S", "seed=1")
+    assert missing.returncode == 2 and "--from nothing: " in missing.stderr and "has no dvc.lock" in missing.stderr
+    assert not (repo / "build" / "study-other").exists()
+
+
 def test_an_override_the_profile_would_replace_stops_the_study_before_it_clones(tmp_path):
     repo = _project(tmp_path)
     _fake_tools(tmp_path / "bin", params_status=2)  # mars params refuses the override (tests/test_config.py)
