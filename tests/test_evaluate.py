@@ -172,6 +172,19 @@ def test_the_tau_sweep_may_decode_a_seeded_subset(ar_checkpoint, tmp_path):
         toy_config(sweep_n=0)
 
 
+def test_a_benchmark_may_sweep_fewer_items_than_the_others(ar_checkpoint, tmp_path):
+    benches = {"toy": BenchmarkConfig(n=8, max_new_tokens=ANSWER_LEN + 1),
+               "reported": BenchmarkConfig(kind="toy", n=8, max_new_tokens=ANSWER_LEN + 1, sweep_n=3)}
+    metrics = evaluate.run({"mars": str(ar_checkpoint)}, toy_config(taus=[1.0, 0.8], benchmarks=benches, sweep_n=6),
+                           data_dir=None, out_dir=tmp_path / "eval", metrics_path=tmp_path / "eval.json",
+                           train_metrics_dir=None, log=lambda *_: None)
+    assert {k: e["n"] for k, e in metrics.items()} == {
+        "mars/toy/tau=1.0": 8, "mars/toy/tau=0.8": 6, "mars/toy/lossless": 8,
+        "mars/reported/tau=1.0": 8, "mars/reported/tau=0.8": 3, "mars/reported/lossless": 8}
+    with pytest.raises(ConfigError, match="sweep_n: must be >= 1"):
+        BenchmarkConfig(sweep_n=0)
+
+
 def test_agreement_with_the_reference_is_measured_on_the_items_every_tau_decodes(ar_checkpoint, tmp_path):
     other = make_checkpoint(tmp_path / "other", seed=1, trained=False)
     metrics = evaluate.run({"sft": str(ar_checkpoint), "other": str(other)},

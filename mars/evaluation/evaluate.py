@@ -75,8 +75,9 @@ class EvalConfig:
     lossless: bool = True  # also decode each benchmark in lossless mode (key <checkpoint>/<benchmark>/lossless):
                            # the tau = 1.0 output by construction, at the tokens/forward its drafts earn; in fp32
                            # the tau = 1.0 entry is taken from it (the same tokens), not decoded twice
-    sweep_n: int | None = None  # items per benchmark decoded at taus below 1.0 (a seeded subset; None: all);
-                                # tau = 1.0 and lossless, which the gate pairs, decode every item
+    sweep_n: int | None = None  # items per benchmark decoded at taus below 1.0 (a seeded subset; None: all; a
+                                # benchmark's own sweep_n wins); tau = 1.0 and lossless, which the gate pairs, decode
+                                # every item
     tree: str | None = None  # the lossless mode's drafts: None the chain, or a draft tree shape (top2/16):
                              # the same tokens, the tokens/forward the tree earns
 
@@ -105,6 +106,11 @@ class EvalConfig:
         """The sweep of one checkpoint: ``ar_taus`` for an AR checkpoint where set, else ``taus``."""
         info = CheckpointInfo.from_config(model)
         return self.ar_taus if self.ar_taus is not None and info is not None and info.objective == "ar" else self.taus
+
+    def swept(self, benchmark: str, items: list) -> list:
+        """The items of ``benchmark`` decoded at the taus below 1.0: its own ``sweep_n``, else ``sweep_n``."""
+        own = self.benchmarks[benchmark].sweep_n if benchmark in self.benchmarks else None
+        return sweep_items(items, self.sweep_n if own is None else own, self.seed, benchmark)
 
     def block_size_for(self, name: str, model) -> int:
         """B of one checkpoint: ``block_size``, else its ``config.mars.block_size``."""
@@ -170,8 +176,7 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
 
     for bench_name, bench in benchmarks.items():
         for tau in modes:  # None: the lossless mode
-            bench_items = items[bench_name] if tau in (None, 1.0) else sweep_items(
-                items[bench_name], cfg.sweep_n, cfg.seed, bench_name)
+            bench_items = items[bench_name] if tau in (None, 1.0) else cfg.swept(bench_name, items[bench_name])
             gens = generate(model, tokenizer, [it.prompt for it in bench_items], block_size=block_size,
                             tau=1.0 if tau is None else tau, mode="lossless" if tau is None else "tau",
                             max_new_tokens=bench.config.max_new_tokens, batch_size=cfg.batch_size,
@@ -244,7 +249,7 @@ def add_agreement(metrics: dict, checkpoints: dict[str, str], cfg: EvalConfig, o
     model, _ = load_model(checkpoints[cfg.reference], dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
                           device=cfg.device)
     memo: dict = {}  # outputs that several entries share are scored once
-    subset = {bench: {it.id for it in sweep_items(its, cfg.sweep_n, cfg.seed, bench)} for bench, its in items.items()}
+    subset = {bench: {it.id for it in cfg.swept(bench, its)} for bench, its in items.items()}
     for key_text, entry in metrics.items():
         key = MetricKey.parse(key_text)
         rows = read_jsonl(key.outputs_path(out_dir))

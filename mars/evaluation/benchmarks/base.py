@@ -30,6 +30,7 @@ class BenchmarkConfig:
     enabled: bool = True
     n: int = 20  # items per evaluation (seeded sample); 0 = all
     max_new_tokens: int = 128
+    sweep_n: int | None = None  # items decoded at the taus below 1.0 (a seeded subset); None: evaluate.sweep_n
     options: dict[str, Any] = field(default_factory=dict)  # benchmark-specific (see each class)
 
     def __post_init__(self):
@@ -37,6 +38,8 @@ class BenchmarkConfig:
             raise ConfigError(f"n: must be >= 0, got {self.n}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if self.sweep_n is not None and self.sweep_n < 1:
+            raise ConfigError(f"sweep_n: must be >= 1 (or null: evaluate.sweep_n), got {self.sweep_n}")
 
 
 @dataclass
