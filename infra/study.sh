@@ -12,8 +12,9 @@
 # A variant overrides the profile's own keys (`-S profiles.smollm2.train.mars.epochs=1`): a top-level key
 # the profile also sets would be replaced by the profile's value, so it is refused before anything runs.
 # A new variant's clone starts from the profile's study (build/study-PROFILE): its dvc.lock, its DVC cache
-# and the stage outputs it has (the base, the distilled pool, the prepared data, final checkpoints), so the
-# stages whose params, code and inputs the variant leaves alone are skipped, the distillation above all.
+# and the stage outputs it has (the base, the distilled pool, the prepared data, final checkpoints, the finished
+# decodings of evaluate), so the stages whose params, code and inputs the variant leaves alone are skipped, the
+# distillation above all, and evaluate decodes only what changed (the base's outputs are reused).
 # `--from STUDY` starts it from build/study-STUDY instead: variants of a variant's pool distil it once
 # (`infra/study.sh smollm2 pool-b8 --from pool -S ...`, repeating pool's own overrides).
 # Keys the profile lacks are added as dvc exp run adds them: `-S +profiles.tiny.train.lr=0.002`.
@@ -54,7 +55,7 @@ if [ ! -d "$work/.git" ]; then
     cp "$seed/dvc.lock" "$work/dvc.lock"
     # its cache too: DVC takes an output that its cache lacks for a changed stage
     cache=$(cd "$seed" && dvc cache dir) && (cd "$work" && dvc cache dir --local "$cache") || exit 1
-    for out in models/base data/distilled data/distill_work data/prepared checkpoints/*/final; do
+    for out in models/base data/distilled data/distill_work data/prepared checkpoints/*/final eval_work; do
       for path in "$seed"/$out; do
         [ -e "$path" ] || continue
         mkdir -p "$work/$(dirname "${path#"$seed"/}")"

@@ -205,6 +205,41 @@ def test_agreement_with_the_reference_is_measured_on_the_items_every_tau_decodes
         {k: v for k, v in metrics["sft/toy/lossless"].items() if k.startswith(("agree", "ref_"))}
 
 
+def test_an_interrupted_evaluation_resumes_from_its_finished_decodings(ar_checkpoint, tmp_path, monkeypatch):
+    import mars.decoding.generate as generate_module
+
+    decoded = []
+    real = generate_module.generate
+    monkeypatch.setattr(generate_module, "generate", lambda *a, **kw: decoded.append(kw["tau"]) or real(*a, **kw))
+    run = lambda out, **over: evaluate.run({"ar_control": str(ar_checkpoint)}, toy_config(**over),  # noqa: E731
+                                           data_dir=None, out_dir=tmp_path / out, metrics_path=tmp_path / f"{out}.json",
+                                           train_metrics_dir=None, log=lambda *_: None, work=tmp_path / "work")
+    first = run("first")
+    assert len(decoded) == 2  # lossless (tau = 1.0 taken from it) and 0.8
+    decoded.clear()
+    again = run("again")
+    assert decoded == [] and again == first  # seconds included: the decoding's own, not the reuse's
+    for point in ("tau=1.0", "tau=0.8", "lossless"):
+        assert read_jsonl(tmp_path / "again" / "ar_control" / "toy" / f"{point}.jsonl") == \
+            read_jsonl(tmp_path / "first" / "ar_control" / "toy" / f"{point}.jsonl")
+    # killed after writing the rows of tau = 0.8 but before its record: that one decodes again
+    (tmp_path / "work" / "ar_control" / "toy" / "tau=0.8.json").unlink()
+    run("killed")
+    assert decoded == [0.8]
+    decoded.clear()
+    longer = {"toy": BenchmarkConfig(n=12, max_new_tokens=ANSWER_LEN + 2)}  # another setting: decoded anew
+    run("changed", benchmarks=longer)
+    assert sorted(decoded) == [0.8, 1.0]
+
+
+def test_a_checkpoint_without_a_digest_is_never_taken_from_the_work_folder(tmp_path):
+    from mars.evaluation.resume import Resume
+
+    resume, key = Resume(tmp_path), evaluate.MetricKey("hub", "toy", 1.0)
+    resume.put(key, {"checkpoint_sha256": None}, [{"id": "a"}], 1.0)
+    assert resume.get(key, {"checkpoint_sha256": None}) is None and not any(tmp_path.iterdir())
+
+
 def test_the_cli_reads_params_and_checkpoints(ar_checkpoint, tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(

@@ -128,7 +128,7 @@ def test_a_variant_starts_from_the_profiles_study_and_reuses_its_outputs(tmp_pat
     seed = repo / "build" / "study-smollm2"
     for path in ("models/base/model.safetensors", "data/distilled/train.jsonl", "data/distill_work/shard-0.jsonl",
                  "data/prepared/train.jsonl", "checkpoints/mars/final/model.safetensors",
-                 "checkpoints/mars/steps/step-00000010/model.safetensors"):
+                 "checkpoints/mars/steps/step-00000010/model.safetensors", "eval_work/sft/gsm/tau=1.0.json"):
         (seed / path).parent.mkdir(parents=True, exist_ok=True)
         (seed / path).write_text(path)
     (seed / "dvc.lock").write_text("schema: '2.0'\n")
@@ -136,8 +136,8 @@ def test_a_variant_starts_from_the_profiles_study_and_reuses_its_outputs(tmp_pat
     work = repo / "build" / "study-e1"
     assert "starting from" in run.stdout and (work / "dvc.lock").read_text() == "schema: '2.0'\n"
     for path in ("models/base/model.safetensors", "data/distilled/train.jsonl", "data/distill_work/shard-0.jsonl",
-                 "data/prepared/train.jsonl", "checkpoints/mars/final/model.safetensors"):
-        assert (work / path).read_text() == path  # the pool and what was built on it
+                 "data/prepared/train.jsonl", "checkpoints/mars/final/model.safetensors", "eval_work/sft/gsm/tau=1.0.json"):
+        assert (work / path).read_text() == path  # the pool, what was built on it, the finished decodings
     assert not (work / "checkpoints" / "mars" / "steps").exists()  # a changed run starts over, not from its steps
     calls = (tmp_path / "calls").read_text().splitlines()
     assert calls == ["mars params -S profile=smollm2 -S profiles.smollm2.train.mars.epochs=1",

@@ -34,10 +34,12 @@ def main(argv: list[str], verb: str = "evaluate") -> int:
     parser.add_argument("--out", default="eval", help="per-item outputs, plots and report.md")
     parser.add_argument("--metrics", default="metrics/eval.json", help="the metrics file")
     parser.add_argument("--train-metrics", default="metrics", help="folder of train_<stage>.tsv for the curves")
+    parser.add_argument("--work", help="keep each finished decoding here; a rerun reuses those of the same "
+                        "checkpoint and settings (an interrupted evaluation resumes)")
     args = parser.parse_args(argv)
     params = params_from_args(args)
     cfg = section(params, "evaluate", evaluate.EvalConfig)
     evaluate.run(parse_checkpoints(args.checkpoint), cfg, data_dir=args.data, out_dir=args.out,
                  metrics_path=args.metrics, train_metrics_dir=args.train_metrics,
-                 tasks=section(params, "tasks", TasksConfig))
+                 tasks=section(params, "tasks", TasksConfig), work=args.work)
     return 0

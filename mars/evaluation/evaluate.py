@@ -16,6 +16,9 @@ For each checkpoint (``--checkpoint NAME=DIR``, e.g. sft, ar_control, mars), eac
   over the ``sweep_n`` items, and their count ``agreement_n``: :mod:`mars.evaluation.agreement`);
 - ``<out>/plots/<benchmark>/<checkpoint>.json``: accuracy vs tokens/forward rows for ``dvc plots``;
 - ``<out>/figures/*.png`` and ``<out>/report.md`` (:mod:`mars.evaluation.plots`).
+
+With ``--work DIR`` every finished decoding is kept there too, and an interrupted evaluation resumes from
+them (:mod:`mars.evaluation.resume`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from mars.errors import ConfigError, MarsError
 from mars.evaluation.harness import LmEvalConfig
 from mars.evaluation.metric_key import MetricKey, sweep_order
 from mars.evaluation.metrics_entry import metrics_entry
+from mars.evaluation.resume import Resume, fingerprint
 from mars.evaluation.sandbox import SandboxLimits
 
 
@@ -149,9 +153,9 @@ def _as_tau_one(row: dict) -> dict:
 
 
 def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, cfg: EvalConfig, out_dir: Path,
-                   log=print) -> dict:
+                   log=print, digest: str | None = None, resume: Resume | None = None) -> dict:
     """Evaluate one loaded model on every benchmark x tau (+ lossless); writes per-item outputs, returns metrics
-    entries."""
+    entries. ``resume``: finished decodings of an earlier run of the same checkpoint (``digest``) are reused."""
     import torch
 
     from mars.decoding.generate import generate
@@ -177,22 +181,34 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
     for bench_name, bench in benchmarks.items():
         for tau in modes:  # None: the lossless mode
             bench_items = items[bench_name] if tau in (None, 1.0) else cfg.swept(bench_name, items[bench_name])
-            gens = generate(model, tokenizer, [it.prompt for it in bench_items], block_size=block_size,
-                            tau=1.0 if tau is None else tau, mode="lossless" if tau is None else "tau",
-                            max_new_tokens=bench.config.max_new_tokens, batch_size=cfg.batch_size,
-                            use_cache=cfg.use_cache, b_cache=cfg.b_cache, tree=cfg.tree if tau is None else None,
-                            allow_untrained=True)  # the AR baselines below tau = 1: what the gate's speed check needs
-            scored = bench.score(bench_items, [g.text for g in gens])
-            rows = []
-            for it, g, s in zip(bench_items, gens, scored):
-                rows.append({
-                    "id": it.id, "family": it.family,
-                    "prompt": it.prompt if isinstance(it.prompt, str) else None,
-                    "prompt_token_ids": g.prompt_token_ids, "token_ids": g.token_ids, "text": g.text,
-                    "forwards": g.forwards, "tokens_per_forward": g.tokens_per_forward,
-                    "finish_reason": g.finish_reason, "reference": it.reference, **s,
-                })
-            record(MetricKey(name, bench_name, None if tau is None else float(tau)), rows, gens.seconds, tau)
+            key = MetricKey(name, bench_name, None if tau is None else float(tau))
+            tree = cfg.tree if tau is None else None
+            print_ = fingerprint(key, digest, bench, bench_items, {
+                "block_size": block_size, "dtype": str(next(model.parameters()).dtype), "device": cfg.device,
+                "batch_size": cfg.batch_size, "use_cache": cfg.use_cache, "b_cache": cfg.b_cache, "tree": tree})
+            kept = resume.get(key, print_) if resume is not None else None
+            if kept is not None:
+                rows, seconds = kept
+            else:
+                gens = generate(model, tokenizer, [it.prompt for it in bench_items], block_size=block_size,
+                                tau=1.0 if tau is None else tau, mode="lossless" if tau is None else "tau",
+                                max_new_tokens=bench.config.max_new_tokens, batch_size=cfg.batch_size,
+                                use_cache=cfg.use_cache, b_cache=cfg.b_cache, tree=tree,
+                                allow_untrained=True)  # the AR baselines below tau = 1: the gate's speed check
+                scored = bench.score(bench_items, [g.text for g in gens])
+                rows = []
+                for it, g, s in zip(bench_items, gens, scored):
+                    rows.append({
+                        "id": it.id, "family": it.family,
+                        "prompt": it.prompt if isinstance(it.prompt, str) else None,
+                        "prompt_token_ids": g.prompt_token_ids, "token_ids": g.token_ids, "text": g.text,
+                        "forwards": g.forwards, "tokens_per_forward": g.tokens_per_forward,
+                        "finish_reason": g.finish_reason, "reference": it.reference, **s,
+                    })
+                seconds = gens.seconds
+                if resume is not None:
+                    resume.put(key, print_, rows, seconds)
+            record(key, rows, seconds, tau)
             if tau is None and cfg.tree is not None:
                 entries[MetricKey(name, bench_name, None).format()]["tree"] = cfg.tree
             if tau is None and reuse:
@@ -264,8 +280,10 @@ def add_agreement(metrics: dict, checkpoints: dict[str, str], cfg: EvalConfig, o
 
 
 def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, out_dir: str | Path,
-        metrics_path: str | Path, train_metrics_dir: str | Path | None = "metrics", tasks=None, log=print) -> dict:
-    """Evaluate every checkpoint; write per-item outputs, metrics, plot data, PNGs and the report."""
+        metrics_path: str | Path, train_metrics_dir: str | Path | None = "metrics", tasks=None, log=print,
+        work: str | Path | None = None) -> dict:
+    """Evaluate every checkpoint; write per-item outputs, metrics, plot data, PNGs and the report. ``work``: keep
+    each finished decoding there, and reuse the ones an interrupted run kept (:mod:`mars.evaluation.resume`)."""
     import torch
 
     from mars.evaluation import harness, plots
@@ -280,13 +298,15 @@ def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, o
     # checked and loaded before any model: a hub data set offline fails here, in one line
     harness_tasks = harness.load_tasks(cfg.lm_eval) if cfg.lm_eval.tasks else None
     metrics: dict[str, dict] = {}
+    resume = Resume(work)
     started = time.perf_counter()
     for name, path in checkpoints.items():
         # what the numbers are about: the gate copies it into its decision, promote checks it
         digest = sha256_tree(path) if Path(path).is_dir() else None
         model, tokenizer = load_model(path, dtype=cfg.dtype, attn_implementation=cfg.attn_implementation,
                                       device=cfg.device)
-        entries = evaluate_model(name, model, tokenizer, benchmarks, items, cfg, out_dir, log=log)
+        entries = evaluate_model(name, model, tokenizer, benchmarks, items, cfg, out_dir, log=log, digest=digest,
+                                 resume=resume)
         if harness_tasks is not None:
             entries.update(harness.evaluate_model(name, model, tokenizer, harness_tasks, cfg, out_dir, log=log))
         metrics.update({key: {**entry, "checkpoint_sha256": digest} for key, entry in entries.items()})
@@ -297,5 +317,6 @@ def run(checkpoints: dict[str, str], cfg: EvalConfig, *, data_dir: str | None, o
     write_plot_data(metrics, out_dir)
     plots.render_all(metrics, out_dir, train_metrics_dir=train_metrics_dir, checkpoints=checkpoints)
     log(f"evaluated {len(checkpoints)} checkpoint(s) x {len(benchmarks)} benchmark(s) x {len(cfg.taus)} tau(s) "
-        f"in {time.perf_counter() - started:.1f} s -> {metrics_path}, {out_dir / 'report.md'}")
+        f"in {time.perf_counter() - started:.1f} s -> {metrics_path}, {out_dir / 'report.md'}"
+        + (f" ({resume.reused} decoding(s) taken from {work})" if resume.reused else ""))
     return metrics
