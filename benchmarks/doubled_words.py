@@ -26,8 +26,8 @@ def from_eval(folder: Path, checkpoint: str, benchmark: str, tau: float) -> tupl
     def rows(point: str) -> dict[str, str]:
         path = folder / checkpoint / benchmark / f"{point}.jsonl"
         if not path.is_file():
-            raise SystemExit(f"doubled_words: {path}: no such file (evaluated at tau = {tau:g}?)")
-        return {r["id"]: r["text"] for r in map(json.loads, path.read_text().splitlines()) if r}
+            raise SystemExit(f"doubled_words: {path}: no such file (was {checkpoint} evaluated on {benchmark} there?)")
+        return {r["id"]: r["text"] for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip())}
     greedy, lossy = rows("tau=1.0"), rows(f"tau={float(tau)}")
     hits = [(i, sorted(added(greedy[i], text))) for i, text in lossy.items() if i in greedy]
     return len(hits), [(i, words) for i, words in hits if words]
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--benchmark", default="chat", help="with --eval: the benchmark's outputs")
     parser.add_argument("--model", help="MARS checkpoint directory (decode here)")
     parser.add_argument("--prompts", default="benchmarks/prompts/user_oriented.jsonl", help="JSONL of {'prompt': text}")
-    parser.add_argument("--n", type=int, default=50, help="the first N prompts")
+    parser.add_argument("--n", type=int, default=50, help="with --model: the first N prompts (--eval: every item)")
     parser.add_argument("--tau", type=float, default=0.9)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)

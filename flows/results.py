@@ -53,9 +53,7 @@ RUNS = "build/study_runs.jsonl"  # in the clone (ignored by git): one line per i
 def record_run(clone: Path, started: float, status: int, ended: float | None = None) -> list[dict]:
     """Append this invocation (start, end, exit status, commit) to the clone's run log; return every run so far.
     An invocation killed before it got here (a machine that went away) has no line: the total undercounts it."""
-    ended = time.time() if ended is None else ended
-    if ended < started:
-        raise ValueError(f"--started {started} is after the end of the run ({ended})")
+    ended = max(started, time.time() if ended is None else ended)  # a clock stepped back: 0 s, not a lost record
     log = clone / RUNS
     log.parent.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True).stdout.strip()

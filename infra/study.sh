@@ -20,13 +20,19 @@
 # Keys the profile lacks are added as dvc exp run adds them: `-S +profiles.tiny.train.lr=0.002`.
 set -uo pipefail
 invocation="infra/study.sh $*"
-profile=${1:?usage: infra/study.sh PROFILE [NAME -S KEY=VALUE ...]}
+usage="usage: infra/study.sh PROFILE [NAME [--from STUDY] -S KEY=VALUE ...]"
+profile=${1:?$usage}
 name=${2:-$profile}
 shift $(( $# >= 2 ? 2 : 1 ))
+case $name in -*) echo "infra/study.sh: NAME comes before the options, got '$name'; $usage" >&2; exit 2;; esac
 from=$profile
 if [ "${1:-}" = "--from" ]; then
-  from=${2:?usage: infra/study.sh PROFILE NAME --from STUDY [-S KEY=VALUE ...]}
+  from=${2:?$usage}
   shift 2
+  if [ "$name" = "$profile" ]; then
+    echo "infra/study.sh: --from $from: the profile's own study starts from nothing; name a variant" >&2
+    exit 2
+  fi
 fi
 root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 # the project's venv (make install) when dvc is not on PATH; checked before anything runs, so a missing

@@ -218,7 +218,9 @@ def test_an_interrupted_evaluation_resumes_from_its_finished_decodings(ar_checkp
     assert len(decoded) == 2  # lossless (tau = 1.0 taken from it) and 0.8
     decoded.clear()
     again = run("again")
-    assert decoded == [] and again == first  # seconds included: the decoding's own, not the reuse's
+    assert decoded == [] and {k for k, e in again.items() if e.pop("reused", False)} == \
+        {"ar_control/toy/lossless", "ar_control/toy/tau=0.8"}
+    assert again == first  # seconds included: the decoding's own, not the reuse's
     for point in ("tau=1.0", "tau=0.8", "lossless"):
         assert read_jsonl(tmp_path / "again" / "ar_control" / "toy" / f"{point}.jsonl") == \
             read_jsonl(tmp_path / "first" / "ar_control" / "toy" / f"{point}.jsonl")
@@ -230,6 +232,11 @@ def test_an_interrupted_evaluation_resumes_from_its_finished_decodings(ar_checkp
     longer = {"toy": BenchmarkConfig(n=12, max_new_tokens=ANSWER_LEN + 2)}  # another setting: decoded anew
     run("changed", benchmarks=longer)
     assert sorted(decoded) == [0.8, 1.0]
+    decoded.clear()
+    # a scorer changed since: the kept decodings are scored again, not their old scores taken
+    monkeypatch.setattr(Toy, "score_one", lambda self, item, completion: 0.0)
+    rescored = run("rescored", benchmarks=longer)
+    assert decoded == [] and all(e["score"] == 0.0 for e in rescored.values())
 
 
 def test_a_checkpoint_without_a_digest_is_never_taken_from_the_work_folder(tmp_path):
@@ -237,7 +244,10 @@ def test_a_checkpoint_without_a_digest_is_never_taken_from_the_work_folder(tmp_p
 
     resume, key = Resume(tmp_path), evaluate.MetricKey("hub", "toy", 1.0)
     resume.put(key, {"checkpoint_sha256": None}, [{"id": "a"}], 1.0)
-    assert resume.get(key, {"checkpoint_sha256": None}) is None and not any(tmp_path.iterdir())
+    assert resume.get(key, {"checkpoint_sha256": None}, ["a"]) is None and not any(tmp_path.iterdir())
+    resume.put(key, {"checkpoint_sha256": "x"}, [{"id": "a"}], 1.0)
+    assert resume.get(key, {"checkpoint_sha256": "x"}, ["a"]) == ([{"id": "a"}], 1.0)
+    assert resume.get(key, {"checkpoint_sha256": "x"}, ["b"]) is None  # other items: not these rows
 
 
 def test_the_cli_reads_params_and_checkpoints(ar_checkpoint, tmp_path):

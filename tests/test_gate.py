@@ -419,3 +419,16 @@ def test_a_broken_mars_checkpoint_fails_at_tau_1(evaluated):
     d = decide(metrics, at_tau1(candidate="broken"), evidence)
     assert not d["passed"]
     assert {c["name"] for c in d["checks"] if c["passed"] is False} == {"toy"}
+
+
+def test_a_surface_check_is_reported_not_gated_unless_named():
+    cand, base = loses(300, lost=30, right=200)  # a clear drop on the chat benchmark's no-doubled-word score
+    o = Outcomes().add("mars", "chat", cand).add("ar_control", "chat", base)
+    o.add("mars", "reasoning", [1, 0] * 150).add("ar_control", "reasoning", [1, 0] * 150)
+    for key in ("mars/chat/tau=1.0", "ar_control/chat/tau=1.0"):
+        o.metrics[key]["quality"] = False  # mars evaluate marks a benchmark without a verifier so
+    decision = o.decide(at_tau1())
+    chat = next(c for c in decision["checks"] if c["name"] == "chat")
+    assert decision["passed"] and not chat["gated"] and "surface check" in chat["note"]
+    named = o.decide(at_tau1(benchmarks=["chat", "reasoning"]))
+    assert not named["passed"] and next(c for c in named["checks"] if c["name"] == "chat")["passed"] is False

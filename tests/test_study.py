@@ -28,6 +28,7 @@ SHRINK = [
     "profiles.smollm2.evaluate.benchmarks.reasoning_new.max_new_tokens=16",
     "profiles.smollm2.evaluate.benchmarks.reasoning_new.options.families=[lcm]",
     "profiles.smollm2.evaluate.benchmarks.gsm.n=2", "profiles.smollm2.evaluate.benchmarks.gsm.max_new_tokens=16",
+    "profiles.smollm2.evaluate.benchmarks.gsm.sweep_n=1", "profiles.smollm2.evaluate.benchmarks.humaneval.sweep_n=1",
     "profiles.smollm2.evaluate.benchmarks.humaneval.n=2",
     "profiles.smollm2.evaluate.benchmarks.humaneval.max_new_tokens=16",
     "profiles.smollm2.tasks.n_heldout=2",

@@ -160,6 +160,10 @@ def test_a_variant_may_start_from_another_variants_study(tmp_path):
     missing = _study(repo, tmp_path, "smollm2", "other", "--from", "nothing", "-S", "seed=1")
     assert missing.returncode == 2 and "--from nothing: " in missing.stderr and "has no dvc.lock" in missing.stderr
     assert not (repo / "build" / "study-other").exists()
+    for args, says in ((("smollm2", "--from", "pool"), "NAME comes before the options"),
+                       (("smollm2", "smollm2", "--from", "pool"), "the profile's own study starts from nothing")):
+        refused = _study(repo, tmp_path, *args)
+        assert refused.returncode == 2 and says in refused.stderr, args
 
 
 def test_an_override_the_profile_would_replace_stops_the_study_before_it_clones(tmp_path):

@@ -169,11 +169,15 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
     modes: list[float | None] = ([None] if lossless else []) + [t for t in taus if not (reuse and t == 1.0)]
     entries: dict[str, dict] = {}
 
-    def record(key: MetricKey, rows: list[dict], seconds: float, tau: float | None) -> None:
+    def record(key: MetricKey, rows: list[dict], seconds: float, tau: float | None, bench, reused: bool) -> None:
         write_jsonl(key.outputs_path(out_dir), rows)
         entry = summarize(rows, seconds, tau, block_size)
         if rows and "derived_from" in rows[0]:
             entry["derived_from"] = rows[0]["derived_from"]
+        if not bench.quality:
+            entry["quality"] = False  # a surface check: the gate reports it (mars.evaluation.gate)
+        if reused:
+            entry["reused"] = True  # decoded by an earlier run: its seconds are that run's
         entries[key.format()] = entry
         log(f"{key.format()}: score {entry['score']:.3f}  tokens/forward {entry['tokens_per_forward']:.2f}  "
             + ("(the lossless tokens)" if "derived_from" in entry else f"{entry['tokens_per_s']:.0f} tok/s"))
@@ -185,34 +189,33 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
             tree = cfg.tree if tau is None else None
             print_ = fingerprint(key, digest, bench, bench_items, {
                 "block_size": block_size, "dtype": str(next(model.parameters()).dtype), "device": cfg.device,
+                "attn_implementation": cfg.attn_implementation,
                 "batch_size": cfg.batch_size, "use_cache": cfg.use_cache, "b_cache": cfg.b_cache, "tree": tree})
-            kept = resume.get(key, print_) if resume is not None else None
+            kept = resume.get(key, print_, [it.id for it in bench_items]) if resume is not None else None
             if kept is not None:
-                rows, seconds = kept
+                decoded, seconds = kept
             else:
                 gens = generate(model, tokenizer, [it.prompt for it in bench_items], block_size=block_size,
                                 tau=1.0 if tau is None else tau, mode="lossless" if tau is None else "tau",
                                 max_new_tokens=bench.config.max_new_tokens, batch_size=cfg.batch_size,
                                 use_cache=cfg.use_cache, b_cache=cfg.b_cache, tree=tree,
                                 allow_untrained=True)  # the AR baselines below tau = 1: the gate's speed check
-                scored = bench.score(bench_items, [g.text for g in gens])
-                rows = []
-                for it, g, s in zip(bench_items, gens, scored):
-                    rows.append({
-                        "id": it.id, "family": it.family,
-                        "prompt": it.prompt if isinstance(it.prompt, str) else None,
-                        "prompt_token_ids": g.prompt_token_ids, "token_ids": g.token_ids, "text": g.text,
-                        "forwards": g.forwards, "tokens_per_forward": g.tokens_per_forward,
-                        "finish_reason": g.finish_reason, "reference": it.reference, **s,
-                    })
+                decoded = [{"id": it.id, "prompt_token_ids": g.prompt_token_ids, "token_ids": g.token_ids,
+                            "text": g.text, "forwards": g.forwards, "tokens_per_forward": g.tokens_per_forward,
+                            "finish_reason": g.finish_reason} for it, g in zip(bench_items, gens)]
                 seconds = gens.seconds
                 if resume is not None:
-                    resume.put(key, print_, rows, seconds)
-            record(key, rows, seconds, tau)
+                    resume.put(key, print_, decoded, seconds)
+            # scored here, reused or not: a scorer's fix reaches every decoding kept in the work folder
+            scored = bench.score(bench_items, [d["text"] for d in decoded])
+            rows = [{"id": it.id, "family": it.family, "prompt": it.prompt if isinstance(it.prompt, str) else None,
+                     **{k: v for k, v in d.items() if k != "id"}, "reference": it.reference, **s}
+                    for it, d, s in zip(bench_items, decoded, scored)]
+            record(key, rows, seconds, tau, bench, kept is not None)
             if tau is None and cfg.tree is not None:
                 entries[MetricKey(name, bench_name, None).format()]["tree"] = cfg.tree
             if tau is None and reuse:
-                record(MetricKey(name, bench_name, 1.0), [_as_tau_one(r) for r in rows], 0.0, 1.0)
+                record(MetricKey(name, bench_name, 1.0), [_as_tau_one(r) for r in rows], 0.0, 1.0, bench, False)
     order = list(benchmarks)
     return {k: entries[k] for k in sorted(entries, key=lambda k: (order.index(MetricKey.parse(k).benchmark),
                                                                   sweep_order(MetricKey.parse(k).tau)))}

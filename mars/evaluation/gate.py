@@ -178,7 +178,10 @@ def decide(metrics: dict, cfg: GateConfig, item_scores: ItemScores | None = None
             continue
         low = {b: entry(b, bench, tau)["score"] for b in baselines
                if entry(b, bench, tau)["score"] < cfg.min_baseline_score}
-        if low:
+        if entry(cand, bench, tau).get("quality") is False and not cfg.benchmarks:
+            ungated[bench] = ("not gated: its score is a surface check, not answer quality "
+                              "(name it in benchmarks to gate it)")
+        elif low:
             ungated[bench] = ("not gated: " + ", ".join(f"{b} scores {s:.3f}" for b, s in low.items())
                               + f" < min_baseline_score {cfg.min_baseline_score}")
         else:

@@ -3,7 +3,8 @@
 An instruction-tuned model given its chat template up to the start of a user turn, and nothing else,
 writes a user's message: sampled, these are everyday requests in the model's own register (advice,
 writing, code, planning), the kind of prompt MARS should be fast on and that no offline data set here
-supplies. Each is kept when it ends with the template's end of turn within ``max_new_tokens``, is not
+supplies. Each is kept when it ends with the template's end of turn (before any other special token)
+within ``max_new_tokens``, is not
 empty, is not a repeat (case and spacing ignored) and is not one of the evaluation prompts in ``exclude``;
 the distillation then answers them greedily like every other prompt.
 
@@ -19,9 +20,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mars.core.atomic import read_json, write_json, write_jsonl
+from mars.core.digest import sha256_file
 from mars.errors import ConfigError, DataError, MarsError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 BATCH = "batch-{:05d}.jsonl"
 
 
@@ -88,8 +90,13 @@ def user_turn(tokenizer) -> tuple[str, str]:
 
 
 def _fingerprint(src: SelfPromptsSource, digest: str, dtype: str) -> dict:
+    import torch
+    import transformers
+
     sampling = {k: v for k, v in asdict(src).items() if k not in ("n", "max_batches", "exclude")}
-    return {"format_version": FORMAT_VERSION, "generator_sha256": digest, "dtype": dtype, "sampling": sampling}
+    return {"format_version": FORMAT_VERSION, "generator_sha256": digest, "dtype": dtype, "sampling": sampling,
+            "code_sha256": sha256_file(__file__), "torch": torch.__version__,
+            "transformers": transformers.__version__}
 
 
 def _sample(model, tokenizer, src: SelfPromptsSource, prefix: str, end_token: str, index: int) -> list[dict]:
@@ -98,14 +105,17 @@ def _sample(model, tokenizer, src: SelfPromptsSource, prefix: str, end_token: st
     ids = tokenizer(prefix, return_tensors="pt", add_special_tokens=False)["input_ids"].to(model.device)
     ids = ids.repeat(src.batch_size, 1)
     end = tokenizer.convert_tokens_to_ids(end_token)
+    # any other special token (end of text, a new turn's header) ends the sample too, and spoils it
+    special = set(tokenizer.all_special_ids) - {end}
     torch.manual_seed(src.seed * 1_000_003 + index)  # each batch its own seed: a resumed run samples the same
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=src.temperature,
-                         top_p=src.top_p, top_k=0, max_new_tokens=src.max_new_tokens, eos_token_id=end,
-                         pad_token_id=end)
+                         top_p=src.top_p, top_k=0, max_new_tokens=src.max_new_tokens,
+                         eos_token_id=[end, *sorted(special)], pad_token_id=end)
     rows = []
     for k, seq in enumerate(out[:, ids.shape[1]:].tolist()):
-        ended = end in seq
-        text = tokenizer.decode(seq[:seq.index(end)] if ended else seq, skip_special_tokens=True)
+        stop = next((i for i, t in enumerate(seq) if t == end or t in special), None)
+        ended = stop is not None and seq[stop] == end
+        text = tokenizer.decode(seq[:stop], skip_special_tokens=True)
         rows.append({"id": f"self-{index}-{k}", "prompt": text.strip(), "ended": ended})
     return rows
 

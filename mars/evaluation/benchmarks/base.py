@@ -58,6 +58,8 @@ class Benchmark:
 
     kind: str = ""
     options_defaults: dict[str, Any] = {}
+    quality: bool = True  # the score says whether an answer is right: the gate may judge it (False: a surface
+                          # check, reported; the gate judges it only where gate.benchmarks names it)
 
     def __init__(self, name: str, config: BenchmarkConfig, context: Context):
         unknown = sorted(set(config.options) - set(self.options_defaults))

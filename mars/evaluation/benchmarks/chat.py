@@ -37,6 +37,7 @@ class Chat(Benchmark):
     """Prompts of a JSONL file; the score: no doubled word (the outputs keep the words, for the paired count)."""
 
     kind = "chat"
+    quality = False  # no verifier: the gate reports it unless gate.benchmarks names it
     options_defaults = {"path": "benchmarks/prompts/user_oriented.jsonl"}
 
     def items(self) -> list[Item]:
