@@ -160,6 +160,7 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
 
     from mars.decoding.generate import generate
 
+    resume = Resume(None) if resume is None else resume  # None: nothing kept, nothing reused
     block_size = cfg.block_size_for(name, model)
     taus = cfg.taus_for(model)
     # AR checkpoints at ar_taus only: their lossless drafts come from untrained mask slots
@@ -191,7 +192,7 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
                 "block_size": block_size, "dtype": str(next(model.parameters()).dtype), "device": cfg.device,
                 "attn_implementation": cfg.attn_implementation,
                 "batch_size": cfg.batch_size, "use_cache": cfg.use_cache, "b_cache": cfg.b_cache, "tree": tree})
-            kept = resume.get(key, print_, [it.id for it in bench_items]) if resume is not None else None
+            kept = resume.get(key, print_, [it.id for it in bench_items])
             if kept is not None:
                 decoded, seconds = kept
             else:
@@ -204,8 +205,7 @@ def evaluate_model(name: str, model, tokenizer, benchmarks: dict, items: dict, c
                             "text": g.text, "forwards": g.forwards, "tokens_per_forward": g.tokens_per_forward,
                             "finish_reason": g.finish_reason} for it, g in zip(bench_items, gens)]
                 seconds = gens.seconds
-                if resume is not None:
-                    resume.put(key, print_, decoded, seconds)
+                resume.put(key, print_, decoded, seconds)
             # scored here, reused or not: a scorer's fix reaches every decoding kept in the work folder
             scored = bench.score(bench_items, [d["text"] for d in decoded])
             rows = [{"id": it.id, "family": it.family, "prompt": it.prompt if isinstance(it.prompt, str) else None,
@@ -256,9 +256,9 @@ def write_plot_data(metrics: dict, out_dir: Path) -> list[Path]:
 def add_agreement(metrics: dict, checkpoints: dict[str, str], cfg: EvalConfig, out_dir: Path, items: dict,
                   log=print) -> None:
     """Every entry against ``cfg.reference``'s tau = 1.0 outputs (:mod:`mars.evaluation.agreement`), over the
-    items every tau decodes (the ``sweep_n`` subset of each benchmark's ``items``), so that each entry's drift is measured on the same items
-    (and a teacher-forced pass over every item of every checkpoint, as costly as decoding them, is spared): the
-    per-item measures go into those items' outputs, their means into the entries."""
+    items every tau decodes (the ``sweep_n`` subset of each benchmark's ``items``), so that each entry's drift is
+    measured on the same items (and a teacher-forced pass over every item of every checkpoint, as costly as
+    decoding them, is spared): the per-item measures go into those items' outputs, their means into the entries."""
     from mars.core.models import load_model
     from mars.evaluation import agreement
 
