@@ -35,7 +35,7 @@ from mars.serving.config import ServeConfig  # noqa: E402
 from mars.serving.engine import Engine, Finished, GenerationRequest  # noqa: E402
 from mars.serving.served_model import ServedModel, load_checkpoint  # noqa: E402
 from mars.serving.server import start_engine  # noqa: E402
-from mars.serving.tau_policy import PolicyConfig  # noqa: E402
+from mars.decoding.tau_policy import PolicyConfig  # noqa: E402
 
 
 class StepLog:

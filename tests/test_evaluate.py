@@ -150,9 +150,10 @@ def test_the_lossless_entries_may_verify_draft_trees(ar_checkpoint, tmp_path):
     run = lambda out, **over: evaluate.run({"ar_control": str(ar_checkpoint)}, toy_config(taus=[1.0], **over),  # noqa: E731
                                            data_dir=None, out_dir=tmp_path / out, metrics_path=tmp_path / f"{out}.json",
                                            train_metrics_dir=None, log=lambda *_: None)
-    chain, tree = run("chain"), run("tree", tree="top2/6")
+    chain, tree, auto = run("chain"), run("tree", tree="top2/6"), run("auto", tree="auto")
     assert tree["ar_control/toy/lossless"]["tree"] == "top2/6" and "tree" not in chain["ar_control/toy/lossless"]
-    for out in ("chain", "tree"):  # the same greedy tokens, whatever the drafts
+    assert auto["ar_control/toy/lossless"]["tree"] == "auto"
+    for out in ("chain", "tree", "auto"):  # the same greedy tokens, whatever the drafts
         assert [r["token_ids"] for r in read_jsonl(tmp_path / out / "ar_control" / "toy" / "lossless.jsonl")] == \
             [r["token_ids"] for r in read_jsonl(tmp_path / "chain" / "ar_control" / "toy" / "tau=1.0.jsonl")]
     with pytest.raises(ConfigError, match="tree: expected a tree shape"):

@@ -36,7 +36,7 @@ from mars.release.store import open_store
 from mars.serving.config import ServeConfig
 from mars.serving.served_model import chat_head
 from mars.serving.server import build, make_server
-from mars.serving.tau_policy import PolicyConfig
+from mars.decoding.tau_policy import PolicyConfig
 
 B = 4
 NAME = "mars"
@@ -453,7 +453,7 @@ def test_a_rows_first_step_in_a_new_setting_is_not_counted_as_the_settings_yield
 
     from mars.serving.engine import Engine, GenerationRequest
     from mars.serving.served_model import ServedModel
-    from mars.serving.tau_policy import PolicySnapshot
+    from mars.decoding.tau_policy import PolicySnapshot
 
     model = confident_model()
     lossless, narrow = Setting(lossless=True), Setting(lossless=True, width=2)
@@ -501,7 +501,7 @@ def test_engines_side_by_side_are_stepped_by_one_thread_and_each_drains_on_close
 
     from mars.serving.engine import Engine, Finished, GenerationRequest
     from mars.serving.served_model import ServedModel
-    from mars.serving.tau_policy import FixedPolicy
+    from mars.decoding.tau_policy import FixedPolicy
 
     model = confident_model()
     prompts = [list(range(3, 9)), list(range(20, 24)), list(range(40, 47))]

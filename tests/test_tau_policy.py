@@ -1,4 +1,4 @@
-"""The tau policy (mars.serving.tau_policy) as a specification, driven by a fake step clock: made-up step costs
+"""The tau policy (mars.decoding.tau_policy) as a specification, driven by a fake step clock: made-up step costs
 per (rows, window) and made-up accepted counts, no model."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from mars.decoding.setting import GREEDY, Setting
 from mars.decoding.tree_shape import TreeShape
 from mars.errors import ConfigError
-from mars.serving.tau_policy import AdaptivePolicy, FixedPolicy, PolicyConfig, StepRecord, bucket, make_policy
+from mars.decoding.tau_policy import AdaptivePolicy, FixedPolicy, PolicyConfig, StepRecord, bucket, make_policy
 
 B = 4
 LOSSLESS, NARROW, FLOOR = Setting(lossless=True), Setting(lossless=True, width=2), Setting(tau=0.9)

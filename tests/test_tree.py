@@ -3,6 +3,7 @@ and the no-cache tree reference, which decodes exactly as HF greedy for any tree
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -14,9 +15,11 @@ from test_decoding import EOS_OF, MASK, VOCAB, mars_model, random_prompts
 
 from mars.decoding.accept import greedy_tokens
 from mars.decoding.batch import CachedBatch, DecodeRow
-from mars.decoding.generate import decode_cached, generate
+from mars.decoding.generate import DecodeConfig, decode_cached, generate
 from mars.decoding.reference import decode_no_cache
 from mars.decoding.setting import Setting
+from mars.decoding.tau_policy import AUTO_TREES, PolicyConfig, Steering
+from mars.decoding.tree_shape import AUTO, tree_shape
 from mars.decoding.tree import CHAIN, ROOT, ROOT_ONLY, Tree, TreeShape, Verdict, build_tree, tree_window, verify
 from mars.decoding.torch_backend import TorchBackend, attention_mask
 from mars.decoding.tree_reference import decode_tree_no_cache, window_mask
@@ -416,6 +419,86 @@ def test_generate_decodes_trees_with_and_without_the_cache():
         generate(model, None, prompts[:2], mode=["lossless", "tau"], tau=0.9, tree="top2", use_cache=False)
     with pytest.raises(ConfigError, match="tree: expected a tree shape"):
         generate(model, None, prompts[:1], mode="lossless", tree="top-2")
+
+
+class ScriptedPolicy:
+    """A policy that answers ``choose`` from a script and records what it is told."""
+
+    def __init__(self, script):
+        self.script, self.asked, self.records = itertools.cycle(script), [], []
+
+    def choose(self, rows, named=(), greedy=True):
+        self.asked.append((rows, list(named)))
+        return next(self.script)
+
+    def observe(self, step):
+        self.records.append(step)
+
+
+def test_steered_rows_decode_at_the_policys_setting_and_it_sees_every_step():
+    model = cycle_model()
+    prompt, room = [5, 7, C], 24
+    top3 = Setting(lossless=True, tree=TreeShape((3,)))
+    policy = ScriptedPolicy([top3])
+    eos = torch.tensor([0])
+    rows = decode_cached(TorchBackend(model), [prompt, prompt], slots=4, settings=[Setting(lossless=True), Setting(tau=0.9)],
+                         room=[room, room], stop_ids=eos, mask_id=MASK, steering=Steering(policy), steered=[True, False])
+    assert rows.token_ids[0] == hf_greedy(model, prompt, room)
+    alone = decode_cached(TorchBackend(model), [prompt], slots=4, settings=[top3], room=[room], stop_ids=eos, mask_id=MASK)
+    assert rows.forwards[0] == alone.forwards[0]  # the steered row decoded as a top-3 tree row does
+    named = decode_cached(TorchBackend(model), [prompt], slots=4, settings=[Setting(tau=0.9)], room=[room],
+                          stop_ids=eos, mask_id=MASK)
+    assert (rows.token_ids[1], rows.forwards[1]) == (named.token_ids[0], named.forwards[0])  # the other kept its own
+    assert len(policy.records) == rows.model_calls and policy.asked[0] == (2, [Setting(tau=0.9)])
+    first, second = policy.records[:2]
+    assert not first.clean and second.clean  # the prompts' step is a prefill, the next a decoding step
+    assert second.slots == top3.slots(4) and (top3, 4) in second.yields  # the tree holds: 4 tokens a step
+
+
+def test_tree_auto_is_greedy_token_for_token_whatever_it_chooses():
+    model = mars_model("llama")
+    prompts = random_prompts()
+    expected = [hf_greedy(model, p, 12) for p in prompts]
+    for kwargs in (dict(), dict(b_cache=8), dict(batch_size=2)):
+        results = generate(model, None, prompts, mode="lossless", max_new_tokens=12, tree="auto", **kwargs)
+        assert [r.token_ids for r in results] == expected, kwargs
+        assert {r.tree for r in results} == {"auto"}
+    mixed = generate(model, None, prompts, mode=["lossless", "tau"] * 3, tau=0.9, max_new_tokens=12, tree="auto")
+    tau_only = generate(model, None, prompts[1::2], tau=0.9, max_new_tokens=12)
+    assert [r.token_ids for r in mixed[1::2]] == [r.token_ids for r in tau_only]
+    assert [r.tree for r in mixed] == ["auto", None] * 3
+    with pytest.raises(MarsError, match="tree auto: .* needs the cache"):
+        generate(model, None, prompts[:1], mode="lossless", tree="auto", use_cache=False)
+
+
+def test_tree_auto_takes_a_tree_where_it_pays(monkeypatch):
+    """On the cycle model a tree takes 3-4 tokens a step and the chain about 1.5, at a step cost not far apart on
+    this tiny model: the measured tokens/s put most steps on a tree."""
+    chosen = []
+
+    class Watched(Steering):
+        def before_step(self, live, steered, narrow=None):
+            chosen.append(super().before_step(live, steered, narrow))
+            return chosen[-1]
+
+    monkeypatch.setattr("mars.decoding.generate.Steering", Watched)
+    model = cycle_model()
+    model.config.mars = {"block_size": 4, "mask_token_id": MASK}
+    prompts, room = [[5, 7, C]] * 4, 400
+    auto = generate(model, None, prompts, mode="lossless", max_new_tokens=room, tree="auto", block_size=4)
+    chain = generate(model, None, prompts, mode="lossless", max_new_tokens=room, block_size=4)
+    assert [r.token_ids for r in auto] == [r.token_ids for r in chain]
+    assert sum(s.tree is not None and s.tree.top_k[0] > 1 for s in chosen) > len(chosen) / 2
+    assert auto.tokens_per_forward > 1.3 * chain.tokens_per_forward
+
+
+def test_the_tree_knob_takes_off_auto_or_a_shape():
+    assert tree_shape("off") is None and tree_shape(None) is None and tree_shape("top2/6") == TreeShape((2,), 6)
+    assert tree_shape("auto", auto=True) == AUTO
+    with pytest.raises(ConfigError, match="tree: auto is chosen per step"):
+        tree_shape("auto")  # a request's or a no-cache loop's tree is one shape
+    assert PolicyConfig(trees=("top2/6", "auto")).trees == (TreeShape((2,), 6), *AUTO_TREES)
+    assert DecodeConfig(tree="auto").tree == "auto"
 
 
 @pytest.mark.parametrize("label", ["chain", "top2", "top3/16", "(3,2,1)/10", "top2/16+masks:4", "chain+masks:top"])

@@ -20,7 +20,8 @@ def main(argv: list[str], verb: str = "generate") -> int:
     parser.add_argument("--mode", choices=MODES, help="tau (the accept rule) | lossless (greedy output, mask slots "
                                                       "as verified drafts); default: decode.mode")
     parser.add_argument("--tree", help="lossless mode: draft tree shape (top2/16, (3,2,1)/10, +masks:K; off: the chain "
-                                       "of top-1 drafts); default: decode.tree")
+                                       "of top-1 drafts; auto: per step what yields most tokens/s here); default: "
+                                       "decode.tree")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--b-cache", type=int, help="block-level cache of this many positions (default: token level)")

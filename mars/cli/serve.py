@@ -58,9 +58,9 @@ def _parser(verb: str):
                         help="adaptive: lossless widths below the checkpoint's block size to consider, '' for none "
                              f"(default: {','.join(map(str, p.lossless_widths))})")
     policy.add_argument("--trees", nargs="*", default=list(p.trees), metavar="SHAPE",
-                        help="adaptive: draft trees (lossless at the block size) to consider, e.g. top2/16 top2/6: "
-                             "measured like every candidate, so the budget that pays at each batch size is chosen "
-                             "(default: none)")
+                        help="adaptive: draft trees (lossless at the block size) to consider, e.g. top2/16 top2/6, or "
+                             "auto (chain top2/16+masks:4 top4/8 top4/16): measured like every candidate, so the "
+                             "budget that pays at each batch size is chosen (default: none)")
     policy.add_argument("--decide-every", type=int, default=p.decide_every,
                         help=f"adaptive: steps between decisions, and an exploration's length (default: {p.decide_every})")
     policy.add_argument("--switch-margin", type=float, default=p.switch_margin,
@@ -107,7 +107,7 @@ def main(argv: list[str], verb: str = "serve") -> int:
         parser.error("--name and --tau go with --model (a release brings its name and tau)")
     from mars.serving.config import ServeConfig
     from mars.serving.server import build, serve
-    from mars.serving.tau_policy import PolicyConfig
+    from mars.decoding.tau_policy import PolicyConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -31,7 +31,8 @@ from mars.decoding.reference import DecodedRows, decode_no_cache
 from mars.decoding.setting import Setting
 from mars.decoding.stop_strings import StopStrings
 from mars.decoding.torch_backend import TorchBackend
-from mars.decoding.tree_shape import TreeShape, tree_shape
+from mars.decoding.tau_policy import AUTO_TREES, AdaptivePolicy, PolicyConfig, Steering
+from mars.decoding.tree_shape import AUTO, TreeShape, tree_shape
 from mars.decoding.tree_reference import decode_tree_no_cache
 from mars.errors import ConfigError, MarsError
 
@@ -49,11 +50,12 @@ class DecodeConfig:
     batch_size: int = 8
     b_cache: int | None = None  # None: token-level cache; C >= B: block-level cache of C positions
     use_cache: bool = True
-    tree: str | None = None  # lossless mode: None (or off) the chain of top-1 drafts; a tree shape (top2/16)
+    tree: str | None = None  # lossless mode: None (or off) the chain of top-1 drafts; a tree shape (top2/16); auto:
+                             # each step the setting of AUTO_TREES, the chain or greedy AR with the most tokens/s
 
     def __post_init__(self):
         Setting(self.tau, width=self.block_size)  # tau and block_size are checked as a row's setting is
-        tree_shape(self.tree)
+        tree_shape(self.tree, auto=True)
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         if self.batch_size < 1:
@@ -75,7 +77,7 @@ class GenerationResult:
     block_size: int
     finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens or the model's context)
     mode: str = "tau"  # "tau" or "lossless" (tau unused: greedy output)
-    tree: str | None = None  # the lossless mode's draft tree (its label), None for the chain
+    tree: str | None = None  # the lossless mode's draft tree (its label, or auto), None for the chain
 
     @property
     def tokens_per_forward(self) -> float:
@@ -115,7 +117,8 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
                   settings: Sequence[Setting], room: Sequence[int], stop_ids: torch.Tensor, mask_id: int,
                   b_cache: int | None = None, max_rows: int | None = None,
                   on_finish: Callable[[int], None] | None = None,
-                  stop_strings: StopStrings | None = None) -> DecodedRows:
+                  stop_strings: StopStrings | None = None, steering: Steering | None = None,
+                  steered: Sequence[bool] = ()) -> DecodedRows:
     """The cached decoding loop (token level, or block level with ``b_cache``) over :class:`CachedBatch`.
 
     ``slots`` is the batch's block size (B, or 1 when no row needs masks), ``settings`` one per prompt,
@@ -123,25 +126,38 @@ def decode_cached(backend: DecodeBackend, prompts: Sequence[Sequence[int]], *, s
     the token-level cache a row that finishes takes the next waiting prompt in the same step (continuous batching), so
     the batch stays full while prompts wait; the block-level cache steps its rows in lockstep and takes
     one batch (``max_rows`` >= the prompts). ``on_finish(k)`` is called as k sequences finish. A row also
-    ends at the token that completes one of ``stop_strings``.
+    ends at the token that completes one of ``stop_strings``. With ``steering`` the rows whose ``steered``
+    flag is set decode each step at its policy's setting (``tree="auto"``), and the policy sees every step.
     """
     count = len(prompts)
     b = count if max_rows is None else min(count, max_rows)
     if b < count and (b_cache is not None or not callable(getattr(backend, "reset", None))):
         raise ValueError("max_rows below the prompt count needs the token-level cache and a backend with reset")
-    waiting = deque(DecodeRow(prompts[i], int(room[i]), settings[i], stop_strings=stop_strings, key=i)
-                    for i in range(count))
+    # steered rows report every step's tokens: the policy's yields
+    waiting = deque(DecodeRow(prompts[i], int(room[i]), settings[i], stop_strings=stop_strings,
+                              stream=steering is not None, key=i) for i in range(count))
     batch = CachedBatch(backend, block_size=slots, stop_ids=stop_ids, mask_id=mask_id, b_cache=b_cache)
     batch.add([waiting.popleft() for _ in range(b)])
     out = DecodedRows([[] for _ in range(count)], [0] * count, [False] * count, 0)
+    joined = True
     while len(batch):
-        finished = [u for u in batch.step() if u.done]
+        if steering is not None:
+            live = batch.live
+            steering.before_step(live, [r for r in live if steered[r.key]])
+            rows, started = len(live), time.perf_counter()
+        updates = batch.step()
+        if steering is not None:
+            steering.after_step(updates, rows=rows, slots=batch.last_slots, seconds=time.perf_counter() - started,
+                                joined=joined)
+        finished = [u for u in updates if u.done]
         for update in finished:
             i = update.row.key
             out.token_ids[i], out.forwards[i], out.stopped[i] = update.token_ids, update.forwards, update.stopped
         if finished and on_finish is not None:
             on_finish(len(finished))
-        batch.add([waiting.popleft() for _ in range(min(len(finished), len(waiting)))])
+        joining = [waiting.popleft() for _ in range(min(len(finished), len(waiting)))]
+        batch.add(joining)
+        joined = bool(joining)
     out.model_calls = batch.model_calls
     return out
 
@@ -248,7 +264,10 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
     takes the mask slots' tokens as drafts that the next forward verifies, so the output is greedy AR
     token for token at up to B tokens per forward (:mod:`mars.decoding.accept`). ``tree`` (lossless
     prompts): the drafts as a tree of this shape, verified in one forward, still greedy token for token
-    (:mod:`mars.decoding.tree`; ``"top2/16"``, a :class:`TreeShape`; None or ``"off"``: the chain).
+    (:mod:`mars.decoding.tree`; ``"top2/16"``, a :class:`TreeShape`; None or ``"off"``: the chain);
+    ``"auto"``: each step the lossless rows decode at the setting among the chain, the shapes of
+    :data:`~mars.decoding.tau_policy.AUTO_TREES` and greedy AR (all exact) that yields the most tokens/s as
+    measured on this batch and hardware (:class:`~mars.decoding.tau_policy.AdaptivePolicy`; cached decoding only).
 
     ``model`` is a transformers causal LM (or, with ``backend``, anything with the checkpoint's
     ``config``); ``block_size`` defaults to the checkpoint's ``config.mars.block_size``. Returns one
@@ -269,7 +288,9 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
         block_size = CheckpointInfo.block_size_of(config)
     taus = _per_prompt("tau", tau, len(prompts), "one float")
     modes = _per_prompt("mode", mode, len(prompts), "one mode")
-    settings = _settings(taus, modes, block_size, tree_shape(tree))
+    shape = tree_shape(tree, auto=True)
+    auto = shape == AUTO
+    settings = _settings(taus, modes, block_size, None if auto else shape)
     if block_size is None:
         if any(s.tau < 1.0 or s.lossless for s in settings):
             raise MarsError("block_size: not given and the checkpoint has no config.mars.block_size")
@@ -296,6 +317,14 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
     stop_text = StopStrings(tokenizer, stop_strings) or None
     if use_cache and backend is None:
         backend = TorchBackend(model)
+    steering = steered = None
+    if auto and any(s.lossless for s in settings):
+        if not use_cache:
+            raise MarsError("tree auto: chooses by measured step costs, so it needs the cache (use_cache=True); "
+                            "the no-cache reference takes one tree shape")
+        # one policy for the whole call: what a group measured, the next one starts from
+        steering = Steering(AdaptivePolicy(PolicyConfig(lossless_widths=(), trees=AUTO_TREES), block_size))
+        steered = [s.lossless for s in settings]
 
     # Similar lengths together: less padding. Results go back in prompt order.
     order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
@@ -318,7 +347,8 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
                       mask_id=mask_id, stop_strings=stop_text)
         if use_cache:
             rows = decode_cached(backend, prompts_g, b_cache=b_cache, max_rows=batch_size if continuous else None,
-                                 on_finish=bar.update if bar is not None else None, **kwargs)
+                                 on_finish=bar.update if bar is not None else None, steering=steering,
+                                 steered=[steered[i] for i in group] if steered else (), **kwargs)
         elif any(s.tree is not None for s in settings_g):
             if len({s.tree for s in settings_g}) > 1 or not all(s.lossless for s in settings_g):
                 raise MarsError("use_cache=False with a tree: every prompt decodes in lossless mode (the no-cache "
@@ -334,10 +364,9 @@ def generate(model, tokenizer, prompts: Sequence, *, block_size: int | None = No
         for k, i in enumerate(group):
             ids = rows.token_ids[k]
             text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
-            shape = settings[i].tree
+            label = AUTO if steered and steered[i] else None if settings[i].tree is None else settings[i].tree.label
             results[i] = GenerationResult(encoded[i], ids, text, rows.forwards[k], taus[i], block_size,
-                                          "stop" if rows.stopped[k] else "length", modes[i],
-                                          None if shape is None else shape.label)
+                                          "stop" if rows.stopped[k] else "length", modes[i], label)
     if bar is not None:
         bar.close()
     return Generations(results, calls, time.perf_counter() - started)

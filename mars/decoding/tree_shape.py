@@ -83,11 +83,21 @@ class TreeShape:
         return name if self.masks == "every" else f"{name}+masks:{self.masks}"
 
 
-def tree_shape(tree: TreeShape | str | None, key: str = "tree") -> TreeShape | None:
+AUTO = "auto"  # the tree knob's third value: the adaptive policy chooses per step (tau_policy.AUTO_TREES)
+
+
+def tree_shape(tree: TreeShape | str | None, key: str = "tree", auto: bool = False) -> TreeShape | str | None:
     """The draft tree a ``tree`` argument names: None or ``"off"`` for the chain of top-1 drafts, a
-    :class:`TreeShape`, or its label (``top2/16``; :meth:`TreeShape.parse`)."""
+    :class:`TreeShape`, or its label (``top2/16``; :meth:`TreeShape.parse`). Where ``auto`` is allowed,
+    ``"auto"`` (:data:`AUTO`): each step the shape of :data:`mars.decoding.tau_policy.AUTO_TREES`, the chain
+    or greedy AR that the measured tokens/s favour."""
     if tree is None or tree is False or isinstance(tree, TreeShape):  # False: YAML 1.1 reads a bare off as false
         return tree or None
     if isinstance(tree, str):
+        if tree.strip() == AUTO:
+            if auto:
+                return AUTO
+            raise ConfigError(f"{key}: auto is chosen per step by a decoding loop; give off or a shape here")
         return None if tree.strip() == "off" else TreeShape.parse(tree, key)
-    raise ConfigError(f"{key}: expected off, a tree shape or its label (top2/16), got {tree!r}")
+    raise ConfigError(f"{key}: expected off,{' auto,' if auto else ''} a tree shape or its label (top2/16), "
+                      f"got {tree!r}")

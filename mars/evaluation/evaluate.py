@@ -33,7 +33,7 @@ from mars.core.atomic import write_json, write_jsonl
 from mars.core.digest import sha256_tree
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.decoding.setting import Setting
-from mars.decoding.tree_shape import tree_shape
+from mars.decoding.tree_shape import AUTO, tree_shape
 from mars.evaluation.benchmarks import BenchmarkConfig, Context, create
 from mars.errors import ConfigError, MarsError
 from mars.evaluation.harness import LmEvalConfig
@@ -82,8 +82,9 @@ class EvalConfig:
     sweep_n: int | None = None  # items per benchmark decoded at taus below 1.0 (a seeded subset; None: all; a
                                 # benchmark's own sweep_n wins); tau = 1.0 and lossless, which the gate pairs, decode
                                 # every item
-    tree: str | None = None  # the lossless mode's drafts: None the chain, or a draft tree shape (top2/16):
-                             # the same tokens, the tokens/forward the tree earns
+    tree: str | None = None  # the lossless mode's drafts: None the chain, a draft tree shape (top2/16) or auto
+                             # (per step, what yields most tokens/s here): the same tokens, the tokens/forward
+                             # the drafts earn
 
     def __post_init__(self):
         if not self.taus:
@@ -101,8 +102,8 @@ class EvalConfig:
             raise ConfigError(f"ar_taus: must be a non-empty subset of taus {self.taus}, got {self.ar_taus}")
         if self.sweep_n is not None and self.sweep_n < 1:
             raise ConfigError(f"sweep_n: must be >= 1 (or null: every item), got {self.sweep_n}")
-        shape = tree_shape(self.tree)
-        self.tree = None if shape is None else shape.label  # off (or a bare YAML off) is the chain: no tree
+        shape = tree_shape(self.tree, auto=True)
+        self.tree = shape if shape in (None, AUTO) else shape.label  # off (or a bare YAML off) is the chain: no tree
         if self.reference is not None and 1.0 not in self.taus:
             raise ConfigError("reference: the comparison is with the reference's tau = 1.0 output; taus lacks 1.0")
 

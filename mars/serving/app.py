@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mars.decoding.generate import encode_prompts
 from mars.decoding.sampling import SamplingParams
 from mars.decoding.setting import Setting
-from mars.decoding.tree_shape import TreeShape
+from mars.decoding.tree_shape import tree_shape
 from mars.errors import MarsError
 from mars.serving.engine import Closed, Engine, Finished, GenerationRequest, QueueFull
 from mars.serving.metrics import ServerMetrics
@@ -162,7 +162,7 @@ def _generation_request(req, engine: Engine, limits: Limits) -> GenerationReques
         if req.mode != "lossless":
             raise APIError(400, "tree: draft trees are a lossless-mode setting: set mode to lossless", "tree")
         try:
-            tree = TreeShape.parse(req.tree)
+            tree = tree_shape(req.tree)
         except MarsError as err:
             raise APIError(400, str(err), "tree") from None
     if req.mode == "lossless":

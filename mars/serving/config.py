@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mars.errors import ConfigError
-from mars.serving.tau_policy import PolicyConfig
+from mars.decoding.tau_policy import PolicyConfig
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Continuous batching at the level of decoding steps (:class:`mars.decoding.batch.CachedBatch`, the same
 core :func:`mars.decoding.generate.generate` drives): before every step the engine moves waiting requests
 into the batch (up to ``max_batch`` rows), gives the rows that named no setting the tau policy's
-(:mod:`mars.serving.tau_policy`), runs one step, hands each request the tokens it accepted and tells the
+(:mod:`mars.decoding.tau_policy`), runs one step, hands each request the tokens it accepted and tells the
 policy what the step cost and yielded. A request leaves the batch when it stops (a stop token or string)
 or reaches its token budget. Each row carries its own :class:`~mars.decoding.setting.Setting` and sampler.
 
@@ -28,10 +28,10 @@ from mars.decoding.batch import CachedBatch, DecodeRow
 from mars.decoding.sampling import Sampler, SamplingParams
 from mars.decoding.setting import GREEDY, Setting
 from mars.decoding.stop_strings import StopStrings
+from mars.decoding.tau_policy import Steering
 from mars.errors import MarsError
 from mars.serving.served_model import ServedModel
 from mars.serving.step_thread import StepThread
-from mars.serving.tau_policy import StepRecord
 
 log = logging.getLogger("mars.serve")
 
@@ -111,7 +111,7 @@ class Engine:
         self.batch = self._new_batch()
         self.waiting: deque[tuple[DecodeRow, RequestHandle]] = deque()
         self.handles: dict[int, RequestHandle] = {}  # id(row) -> handle, rows in the batch
-        self._setting_before: dict[int, Setting] = {}  # id(row) -> the setting of its last step
+        self.steering = Steering(policy)
         self.accepting, self.stopping = True, False
         self.finished = threading.Event()  # closed, and nothing left to step
         stepper = StepThread.shared()  # one thread steps every engine of the process (see step_thread)
@@ -201,19 +201,8 @@ class Engine:
         batch.add(joining)
         copied = (batch.prefix_hits - hits) * len(batch.prefix)  # prompt tokens the prefix cache filled in
         live = batch.live
-        policy_rows = [r for r in live if r.key.setting is None]
-        chosen = None
-        if policy_rows:
-            chosen = self.policy.choose(len(live), [r.setting for r in live if r.key.setting is not None],
-                                        greedy=all(r.sampler is None for r in policy_rows))
-            for r in policy_rows:  # a request's own block size caps the policy's width
-                cap = r.key.block_size
-                narrowed = cap is not None and chosen.needs_masks(b_size) and chosen.at(b_size) > cap
-                r.setting = replace(chosen, width=cap) if narrowed else chosen
-        moved = False
-        before, self._setting_before = self._setting_before, {}
-        for r in live:
-            moved |= before.get(id(r), r.setting) != r.setting
+
+        chosen = self.steering.before_step(live, [r for r in live if r.key.setting is None], self._narrow)
         rows = len(batch)
         updates = batch.step()
         out: list[tuple[RequestHandle, object]] = []
@@ -230,19 +219,16 @@ class Engine:
                                              handle.lossless_steps)))
         deliver(out)
         seconds = time.perf_counter() - started
-        # A row's first step in a new setting yields what its old one left it (no drafts yet, or a cache of
-        # verified drafts), so only its later steps count toward the setting's tokens.
-        yields = []
-        for u in updates:
-            if before.get(id(u.row), u.row.setting) == u.row.setting:  # a joining row's prompt step counts
-                yields.append((u.row.setting, len(u.new_tokens)))
-            if not u.done:
-                self._setting_before[id(u.row)] = u.row.setting
-        self.policy.observe(StepRecord(rows, batch.last_slots, seconds, clean=not joining and not moved,
-                                       yields=yields))
+        self.steering.after_step(updates, rows=rows, slots=batch.last_slots, seconds=seconds, joined=bool(joining))
         if self.metrics is not None:
             self.metrics.step(seconds, not joining, sum(len(u.new_tokens) for u in updates), self.queue_depth,
                               chosen.label(b_size) if chosen is not None else None, prefix_tokens=copied)
+
+    def _narrow(self, row: DecodeRow, chosen: Setting) -> Setting:
+        """The policy's choice for a row, its width capped at the request's own block size."""
+        cap, b_size = row.key.block_size, self.model.block_size or 1
+        return replace(chosen, width=cap) if cap is not None and chosen.needs_masks(b_size) and chosen.at(b_size) > cap \
+            else chosen
 
     def _fail_all(self, error: Exception, waiting: bool = True) -> None:
         failed = list(self.handles.values()) + ([handle for _, handle in self.waiting] if waiting else [])

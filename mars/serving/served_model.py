@@ -3,7 +3,7 @@
 A release (``mars pull`` layout, :mod:`mars.release.promote`) brings its default tau (``tau``) and the
 tau floor its gate accepted (``tau_floor``, the lowest tau whose score loss the gate measured and
 passed; a release without one has no tau below its default vouched for). The adaptive tau policy
-(:mod:`mars.serving.tau_policy`) may use that floor when the operator opts in (``--tau-floor release``).
+(:mod:`mars.decoding.tau_policy`) may use that floor when the operator opts in (``--tau-floor release``).
 """
 
 from __future__ import annotations

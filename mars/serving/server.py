@@ -21,7 +21,7 @@ from mars.serving.engine import Engine
 from mars.serving.metrics import ServerMetrics
 from mars.serving.release_watch import ReleaseWatch, fetch_release
 from mars.serving.served_model import ServedModel, load_checkpoint, load_release
-from mars.serving.tau_policy import make_policy
+from mars.decoding.tau_policy import make_policy
 
 log = logging.getLogger("mars.serve")
 

@@ -32,9 +32,12 @@ from types import MappingProxyType
 from typing import Literal, Mapping, Sequence
 
 from mars.decoding.setting import GREEDY, Setting
-from mars.decoding.tree_shape import TreeShape
+from mars.decoding.tree_shape import AUTO, TreeShape
 from mars.errors import ConfigError
 
+# The shapes ``tree: auto`` weighs beside the chain and greedy AR: masks after every node (15 entries a step at
+# B = 4), then wider trees (22, 34, 63 entries) whose extra tokens/forward pay only where a wide step is cheap.
+AUTO_TREES = tuple(TreeShape.parse(t) for t in ("chain", "top2/16+masks:4", "top4/8", "top4/16"))
 COST_WEIGHT = 0.125  # moving average of step costs: about the last 8 clean steps of a cell
 TOKEN_ROWS = 128  # moving average of tokens per row-step: about the last 128 row-steps of a setting
 
@@ -46,7 +49,7 @@ class PolicyConfig:
     kind: Literal["fixed", "adaptive"] = "adaptive"
     tau_floor: float | Literal["release"] | None = None  # the lowest lossy tau allowed; None: greedy only
     lossless_widths: tuple[int, ...] = (2,)  # lossless widths below the checkpoint's B the policy may use
-    trees: tuple[TreeShape, ...] = ()  # draft trees (lossless at B) the policy may use
+    trees: tuple[TreeShape, ...] = ()  # draft trees (lossless at B) the policy may use; "auto" stands for AUTO_TREES
     decide_every: int = 4  # steps between decisions (and the length of an exploration)
     switch_margin: float = 0.05  # a candidate must predict this much more tokens/s than the setting in use
     explore_every: int = 128  # steps between explorations
@@ -58,8 +61,9 @@ class PolicyConfig:
         if floor is not None and floor != "release" and (isinstance(floor, bool) or not isinstance(floor, (int, float))
                                                          or not 0.0 < floor <= 1.0):
             raise ConfigError(f"tau_floor: must be in (0, 1] or 'release', got {floor!r}")
-        object.__setattr__(self, "trees", tuple(t if isinstance(t, TreeShape) else TreeShape.parse(t, "trees")
-                                                for t in self.trees))
+        trees = [shape for t in self.trees  # auto: the ladder tree: auto weighs
+                 for shape in (AUTO_TREES if t == AUTO else [t if isinstance(t, TreeShape) else TreeShape.parse(t, "trees")])]
+        object.__setattr__(self, "trees", tuple(dict.fromkeys(trees)))
         if any(isinstance(w, bool) or not isinstance(w, int) or w < 2 for w in self.lossless_widths):
             raise ConfigError(f"lossless_widths: must be integers >= 2, got {list(self.lossless_widths)}")
         for key in ("decide_every", "explore_every"):
@@ -201,6 +205,43 @@ class AdaptivePolicy:
     def _publish(self) -> None:
         self.snapshot = PolicySnapshot(self.exploring or self.setting, MappingProxyType(dict(self.tokens)),
                                        MappingProxyType(dict(self.cost)))
+
+
+class Steering:
+    """A policy's hold on a :class:`~mars.decoding.batch.CachedBatch`, shared by the serving engine and
+    ``generate(tree="auto")``: before a step the steered rows (those that named no setting) get the policy's
+    setting; after it the policy learns what the step cost and what each row yielded, a row's first step in a
+    new setting left out (it yields what its old setting left it: no drafts yet, or a cache of verified ones)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self._before: dict[int, Setting] = {}  # id(row) -> the setting of its last step
+        self._moved = False
+
+    def before_step(self, live: Sequence, steered: Sequence, narrow=None) -> Setting | None:
+        """Give the ``steered`` rows among ``live`` the policy's choice (``narrow(row, setting)`` may cap it
+        per row); returns the choice, None where no row is steered."""
+        chosen = None
+        if steered:
+            ids = {id(r) for r in steered}
+            chosen = self.policy.choose(len(live), [r.setting for r in live if id(r) not in ids],
+                                        greedy=all(r.sampler is None for r in steered))
+            for r in steered:
+                r.setting = chosen if narrow is None else narrow(r, chosen)
+        self._moved = any(self._before.get(id(r), r.setting) != r.setting for r in live)
+        return chosen
+
+    def after_step(self, updates: Sequence, *, rows: int, slots: int, seconds: float, joined: bool) -> None:
+        """Tell the policy about the step: ``rows`` decoded, the widest row's ``slots``, what it cost and
+        whether prompts ``joined`` (a prefill says nothing about the settings)."""
+        before, self._before = self._before, {}
+        yields = []
+        for u in updates:
+            if before.get(id(u.row), u.row.setting) == u.row.setting:  # a joining row's prompt step counts
+                yields.append((u.row.setting, len(u.new_tokens)))
+            if not u.done:
+                self._before[id(u.row)] = u.row.setting
+        self.policy.observe(StepRecord(rows, slots, seconds, clean=not joined and not self._moved, yields=yields))
 
 
 def make_policy(cfg: PolicyConfig, *, block_size: int, default_tau: float, release_floor: float):
