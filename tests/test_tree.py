@@ -530,15 +530,18 @@ def test_bench_decode_times_trees_beside_hf_the_chain_and_tau():
     prompts = random_prompts()
     shape = TreeShape((2,), 6)
     report = speed.run(model, None, prompts, batch_sizes=[1, 4], taus=[1.0, 0.9], block_size=4, max_new_tokens=8,
-                       b_cache=None, repeats=1, prompt_lookup=3, trees=(shape,))
+                       b_cache=None, repeats=1, prompt_lookup=3, trees=(shape, AUTO))
     rows = {(r["batch_size"], r["method"], r["tau"], r["tree"]) for r in report["rows"]}
     assert rows == {(b, m, t, tree) for b in (1, 4) for m, t, tree in
-                    [("hf_generate", None, None), ("mars", 1.0, None), ("mars", 0.9, None),
-                     ("mars_lossless", None, None), ("mars_tree", None, "top2/6")]} | {(1, "hf_prompt_lookup", None, None)}
+                    [("hf_generate", None, None), ("mars", 1.0, None), ("mars", 0.9, None), ("mars_lossless", None, None),
+                     ("mars_tree", None, "top2/6"), ("mars_tree", None, "auto")]} | {(1, "hf_prompt_lookup", None, None)}
     for row in report["rows"]:
-        if row["method"] == "mars_tree":  # greedy, and its ceiling priced at its widest window
+        if row["tree"] == "top2/6":  # greedy, and its ceiling priced at its widest window
             assert row["same_as_hf"] == len(prompts) and row["t_step_tree_ms"] > 0
-    assert "tree top2/6" in speed.format_table(report)
+        if row["tree"] == "auto":  # greedy; it has no one window, so no ceiling
+            assert row["same_as_hf"] == len(prompts) and row["ceiling_speedup"] is None
+    table = speed.format_table(report)
+    assert "tree top2/6" in table and "tree auto" in table
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ def main(argv: list[str], verb: str = "bench-decode") -> int:
 
     from mars.core.atomic import write_json
     from mars.decoding import speed
-    from mars.decoding.tree_shape import TreeShape
+    from mars.decoding.tree_shape import AUTO, TreeShape
 
     parser = argparse.ArgumentParser(prog=f"mars {verb}", description=speed.__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="checkpoints/mars/final", help="checkpoint dir (default: %(default)s)")
@@ -29,7 +29,8 @@ def main(argv: list[str], verb: str = "bench-decode") -> int:
                         help="also time the lossless mode: greedy output, mask slots as verified drafts (default: on)")
     parser.add_argument("--trees", nargs="*", default=["top2/16"], metavar="SHAPE",
                         help="also time the lossless mode with these draft trees (top2/16, '(3,2,1)/10', "
-                             "top4/16+masks:4; none: off; default: %(default)s)")
+                             "top4/16+masks:4, auto: chosen per step by measured tokens/s; none: off; "
+                             "default: %(default)s)")
     parser.add_argument("--prompt-lookup", type=int, default=10, metavar="N",
                         help="also time HF prompt-lookup decoding at batch 1 (prompt_lookup_num_tokens=N; 0: off; "
                              "default: %(default)s)")
@@ -52,7 +53,7 @@ def main(argv: list[str], verb: str = "bench-decode") -> int:
                        max_new_tokens=args.max_new_tokens or cfg.max_new_tokens,
                        b_cache=cfg.b_cache if args.b_cache is None else args.b_cache, repeats=args.repeats,
                        lossless=args.lossless, prompt_lookup=args.prompt_lookup or None,
-                       trees=tuple(TreeShape.parse(t, "--trees") for t in args.trees))
+                       trees=tuple(AUTO if t == AUTO else TreeShape.parse(t, "--trees") for t in args.trees))
     report.update(model=str(args.model), device=str(model.device), threads=torch.get_num_threads())
     print(speed.format_table(report))
     if args.json:

@@ -15,7 +15,8 @@ lossless mode (``lossless=True``, a row ``mars lossless``: greedy output, mask s
 forwards the last token + B-1 drafts + B-1 masks once drafts are pending: its ceiling is taken with the
 (2B-1)-token step, a slight underestimate (a step after a wrong draft forwards only B). Each of ``trees``
 (rows ``mars tree <shape>``: the lossless mode with draft trees, :mod:`mars.decoding.tree`) is greedy too;
-its ceiling is taken with the widest window its shape can forward (1 + ``TreeShape.max_window``). At batch 1 the
+its ceiling is taken with the widest window its shape can forward (1 + ``TreeShape.max_window``); ``auto``
+(a row ``mars tree auto``) chooses per step as it decodes, so it has no one window and no ceiling. At batch 1 the
 table also has HF's prompt-lookup decoding (``prompt_lookup_num_tokens``: n-grams of the context as
 drafts, the other method with no new parameters; HF runs it for one row only). ``=hf`` counts the
 prompts whose output is HF greedy's token for token: every prompt for the greedy methods in fp32; in bf16
@@ -34,7 +35,7 @@ import torch
 from mars.core.atomic import JSON_ERRORS, json_problem
 from mars.core.checkpoint_info import CheckpointInfo
 from mars.decoding.generate import encode_prompts, generate, stop_token_ids_of
-from mars.decoding.tree_shape import TreeShape
+from mars.decoding.tree_shape import AUTO, TreeShape
 from mars.errors import MarsError
 from mars.decoding.torch_backend import TorchBackend
 
@@ -149,7 +150,7 @@ def step_times(model, prompts: list[list[int]], batch_size: int, widths: list[in
 
 
 def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tokens, b_cache, repeats,
-        lossless: bool = True, prompt_lookup: int | None = 10, trees: tuple[TreeShape, ...] = ()):
+        lossless: bool = True, prompt_lookup: int | None = 10, trees: tuple[TreeShape | str, ...] = ()):
     eos = stop_token_ids_of(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     block_size = block_size or CheckpointInfo.block_size_of(model)
@@ -186,9 +187,10 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
                 dt, outputs, tpf = once(kind, tau)
                 seconds[(kind, tau)].append(dt)
                 stats[(kind, tau)] = (outputs, tpf)
-        tree_widths = [1 + shape.max_window(block_size - 1) for shape in trees]
+        shapes = [shape for shape in trees if shape != AUTO]
+        tree_widths = [1 + shape.max_window(block_size - 1) for shape in shapes]
         t1, tb, tw, *tt = step_times(model, prompts, bs, [1, block_size, 2 * block_size - 1, *tree_widths])
-        t_tree = dict(zip(trees, tt))
+        t_tree = {**dict(zip(shapes, tt)), AUTO: None}
         hf_s = statistics.median(seconds[("hf", None)])
         ar_s = statistics.median(seconds[("mars", 1.0)]) if ("mars", 1.0) in seconds else None
         greedy = stats[("hf", None)][0]
@@ -201,7 +203,8 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
             hf = kind.startswith("hf")
             rows.append({
                 "batch_size": bs, "method": METHODS[kind],
-                "tau": None if kind == "tree" else tau, "tree": tau.label if kind == "tree" else None,
+                "tau": None if kind == "tree" else tau,
+                "tree": (tau if tau == AUTO else tau.label) if kind == "tree" else None,
                 "median_s": med, "speedup_vs_hf": hf_s / med,
                 "speedup_vs_ar": None if hf or ar_s is None else ar_s / med,
                 "tokens": tokens, "tokens_per_s": tokens / med,
@@ -210,9 +213,9 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
                 "same_as_hf": sum(a == b for a, b in zip(outputs, greedy)),
                 "tokens_per_forward": tpf,
                 # tau = 1 forwards no mask: its step is the 1-token step
-                "ceiling_speedup": None if hf else tpf * t1 / step,
+                "ceiling_speedup": None if hf or step is None else tpf * t1 / step,
                 "t_step_1_ms": t1 * 1e3, "t_step_B_ms": tb * 1e3, "t_step_2B-1_ms": tw * 1e3,
-                "t_step_tree_ms": t_tree[tau] * 1e3 if kind == "tree" else None,
+                "t_step_tree_ms": t_tree[tau] * 1e3 if kind == "tree" and tau != AUTO else None,
             })
     return {"block_size": block_size, "b_cache": b_cache, "max_new_tokens": max_new_tokens,
             "prompts": len(prompts), "repeats": repeats, "prompt_lookup_num_tokens": prompt_lookup, "rows": rows}
