@@ -30,7 +30,7 @@ study: install
 # order; `make test XDIST=` runs in one process.
 XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: install
-	PATH="$(CURDIR)/$(BIN):$$PATH" python -m pytest $(XDIST)
+	PATH="$(CURDIR)/$(BIN):$$PATH" python -m pytest $(XDIST) --durations=25
 
 test-fast: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" python -m pytest $(XDIST) -m "not slow"
