@@ -75,9 +75,12 @@ def train_to_draft(model, mask_token_id: int, block_size: int = 4, steps: int = 
     return model.eval()
 
 
-# The longest files (a whole default `dvc repro`: a third of the suite; the Prefect flow end to end) go first, so
-# that each starts at once on a worker of its own instead of last; the rest keep their order.
-LONGEST_FIRST = ("test_reference_results.py", "test_flow.py")
+# The longest files first (a whole default `dvc repro`: a third of the suite; the Prefect flow end to end; then the
+# files with SmolLM2, multi-process or lm-eval tests), so that the two workers end together on short files instead
+# of one waiting while the other starts a long one; the rest keep their order. By `make test`'s --durations.
+LONGEST_FIRST = ("test_reference_results.py", "test_flow.py", "test_trainer.py", "test_lm_eval.py", "test_study.py",
+                 "test_export.py", "test_serve.py", "test_tree.py", "test_distill.py", "test_decoding.py",
+                 "test_release.py")
 
 
 def pytest_collection_modifyitems(items):
