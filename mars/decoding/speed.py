@@ -215,7 +215,7 @@ def run(model, tokenizer, prompts, *, batch_sizes, taus, block_size, max_new_tok
                 # tau = 1 forwards no mask: its step is the 1-token step
                 "ceiling_speedup": None if hf or step is None else tpf * t1 / step,
                 "t_step_1_ms": t1 * 1e3, "t_step_B_ms": tb * 1e3, "t_step_2B-1_ms": tw * 1e3,
-                "t_step_tree_ms": t_tree[tau] * 1e3 if kind == "tree" and tau != AUTO else None,
+                "t_step_tree_ms": step * 1e3 if kind == "tree" and step is not None else None,
             })
     return {"block_size": block_size, "b_cache": b_cache, "max_new_tokens": max_new_tokens,
             "prompts": len(prompts), "repeats": repeats, "prompt_lookup_num_tokens": prompt_lookup, "rows": rows}

@@ -61,9 +61,10 @@ class PolicyConfig:
         if floor is not None and floor != "release" and (isinstance(floor, bool) or not isinstance(floor, (int, float))
                                                          or not 0.0 < floor <= 1.0):
             raise ConfigError(f"tau_floor: must be in (0, 1] or 'release', got {floor!r}")
-        trees = [shape for t in self.trees  # auto: the ladder tree: auto weighs
-                 for shape in (AUTO_TREES if t == AUTO else [t if isinstance(t, TreeShape) else TreeShape.parse(t, "trees")])]
-        object.__setattr__(self, "trees", tuple(dict.fromkeys(trees)))
+        trees = []
+        for t in self.trees:  # auto stands for the ladder tree: auto weighs
+            trees += AUTO_TREES if t == AUTO else [t if isinstance(t, TreeShape) else TreeShape.parse(t, "trees")]
+        object.__setattr__(self, "trees", tuple(dict.fromkeys(trees)))  # a shape named twice is one candidate
         if any(isinstance(w, bool) or not isinstance(w, int) or w < 2 for w in self.lossless_widths):
             raise ConfigError(f"lossless_widths: must be integers >= 2, got {list(self.lossless_widths)}")
         for key in ("decide_every", "explore_every"):
