@@ -74,6 +74,9 @@ cd "$work" || exit 1
 export PYTHONPATH=$work  # the clone's code, not the checkout's (the venv's editable install points there)
 echo "study $name ($profile $*): $(git rev-parse HEAD) in $work, $(date -u +%FT%TZ)"
 started=$(date +%s)
+# a resumed run applies its overrides to the committed params again: the last run's params.yaml has the
+# keys a `+KEY=VALUE` adds, and dvc exp run refuses to add one twice
+git checkout -q HEAD -- params.yaml || exit 1
 dvc exp run -S "profile=$profile" "$@"
 status=$?
 python -m flows.results "$work" "$root/results/$name" --profile "$profile" \

@@ -109,6 +109,7 @@ def _project(tmp_path):
     repo = tmp_path / "project"
     (repo / "infra").mkdir(parents=True)
     shutil.copy2(Path(__file__).resolve().parents[1] / "infra" / "study.sh", repo / "infra" / "study.sh")
+    (repo / "params.yaml").write_text("profile: default\n")
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], cwd=repo, check=True)
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"], cwd=repo, check=True)
@@ -172,3 +173,16 @@ def test_an_override_the_profile_would_replace_stops_the_study_before_it_clones(
     run = _study(repo, tmp_path, "smollm2", "e1", "-S", "train.mars.epochs=1")
     assert run.returncode == 2 and not (repo / "build").exists()
     assert (tmp_path / "calls").read_text().splitlines() == ["mars params -S profile=smollm2 -S train.mars.epochs=1"]
+
+
+def test_a_resumed_study_applies_its_overrides_to_the_committed_params_again(tmp_path):
+    """dvc exp run leaves the overrides in the clone's params.yaml, where a second `+KEY=VALUE` is refused."""
+    repo = _project(tmp_path)
+    _fake_tools(tmp_path / "bin")
+    dvc = tmp_path / "bin" / "dvc"  # a run that writes its override into params.yaml, as dvc exp run does
+    dvc.write_text('#!/bin/sh\necho "dvc $* with $(cat params.yaml | tr \'\\n\' \' \')" >> "$CALLS"\n'
+                   'echo "added: 1" >> params.yaml\n')
+    for _ in range(2):
+        assert _study(repo, tmp_path, "smollm2", "pool", "-S", "+added=1").returncode == 0
+    runs = [call for call in (tmp_path / "calls").read_text().splitlines() if call.startswith("dvc exp run")]
+    assert runs == ["dvc exp run -S profile=smollm2 -S +added=1 with profile: default "] * 2
