@@ -372,55 +372,60 @@ def two_process_config(name: str, tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("launch_config", ["cpu_2proc", "fsdp"])
-def test_two_gloo_processes_follow_the_single_process_loss_curve(init_dir, prepared, tmp_path, launch_config):
-    """Same global batch on 1 and 2 processes (DDP or FSDP2 over gloo): the same losses and weights."""
-    steps = ["-S", "train.mars.max_steps=6", "-S", "train.mars.block_size=4"]
-    one = subprocess.run([sys.executable, "-m", "mars.cli"] + cli_args(init_dir, prepared, tmp_path / "one", "mars",
-                                                                       *steps),
+TWO_PROCESS_STEPS = ("-S", "train.mars.max_steps=6", "-S", "train.mars.block_size=4")
+
+
+@pytest.fixture(scope="module")
+def one_process_run(init_dir, prepared, tmp_path_factory) -> Path:
+    """The reference every two-process run is held to: the same steps in one process."""
+    out = tmp_path_factory.mktemp("one-process") / "one"
+    one = subprocess.run([sys.executable, "-m", "mars.cli"] + cli_args(init_dir, prepared, out, "mars",
+                                                                       *TWO_PROCESS_STEPS),
                          env=run_env(), capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              str(two_process_config(launch_config, tmp_path)), "--main_process_port", str(free_port()),
-              "-m", "mars.cli"]
-    two = subprocess.run(launch + cli_args(init_dir, prepared, tmp_path / "two", "mars", *steps), env=run_env(),
-                         capture_output=True, text=True, timeout=300)
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert json.loads((tmp_path / "two" / "final" / "mars_run.json").read_text())["processes"] == 2
-    log1, log2 = rows(tmp_path / "one.tsv"), rows(tmp_path / "two.tsv")
+    return out
+
+
+def assert_same_run(one: Path, two: Path) -> None:
+    """Two processes on the same global batch: the one-process run's losses, step by step, and weights."""
+    assert json.loads((two / "final" / "mars_run.json").read_text())["processes"] == 2
+    log1, log2 = rows(one.with_suffix(".tsv")), rows(two.with_suffix(".tsv"))
     assert len(log1) == len(log2) == 6
     for a, b in zip(log1, log2):
         for key in ("loss", "l_mask", "l_ar"):
             assert a[key] == pytest.approx(b[key], rel=1e-4), (a, b)
-    w1 = load_file(tmp_path / "one" / "final" / "model.safetensors")
-    w2 = load_file(tmp_path / "two" / "final" / "model.safetensors")
+    w1 = load_file(one / "final" / "model.safetensors")
+    w2 = load_file(two / "final" / "model.safetensors")
     assert sorted(w1) == sorted(w2)
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
 
 
 @pytest.mark.slow
-def test_train_launch_num_processes_runs_the_same_command_in_two_gloo_processes(init_dir, prepared, tmp_path):
-    """`train.launch.num_processes: 2` in params: the stage's own `mars train` command re-runs itself under
-    accelerate launch, and gets the one-process run's losses and weights."""
-    steps = ["-S", "train.mars.max_steps=4", "-S", "train.mars.block_size=4"]
-    mars_cli = [sys.executable, "-m", "mars.cli"]
-    one = subprocess.run(mars_cli + cli_args(init_dir, prepared, tmp_path / "one", "mars", *steps), env=run_env(),
-                         capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run(mars_cli + cli_args(init_dir, prepared, tmp_path / "two", "mars", *steps,
-                                             "-S", "train.launch.num_processes=2",
-                                             "-S", f"train.launch.main_process_port={free_port()}"),
+@pytest.mark.parametrize("launch_config", ["cpu_2proc", "fsdp"])
+def test_two_gloo_processes_follow_the_single_process_loss_curve(init_dir, prepared, one_process_run, tmp_path,
+                                                                 launch_config):
+    """Same global batch on 1 and 2 processes (DDP or FSDP2 over gloo): the same losses and weights."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(two_process_config(launch_config, tmp_path)), "--main_process_port", str(free_port()),
+              "-m", "mars.cli"]
+    two = subprocess.run(launch + cli_args(init_dir, prepared, tmp_path / "two", "mars", *TWO_PROCESS_STEPS),
                          env=run_env(), capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert json.loads((tmp_path / "two" / "final" / "mars_run.json").read_text())["processes"] == 2
-    log1, log2 = rows(tmp_path / "one.tsv"), rows(tmp_path / "two.tsv")
-    assert len(log1) == len(log2) == 4
-    for a, b in zip(log1, log2):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
-    w1 = load_file(tmp_path / "one" / "final" / "model.safetensors")
-    w2 = load_file(tmp_path / "two" / "final" / "model.safetensors")
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
+    assert_same_run(one_process_run, tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_train_launch_num_processes_runs_the_same_command_in_two_gloo_processes(init_dir, prepared, one_process_run,
+                                                                                tmp_path):
+    """`train.launch.num_processes: 2` in params: the stage's own `mars train` command re-runs itself under
+    accelerate launch, and gets the one-process run's losses and weights."""
+    two = subprocess.run([sys.executable, "-m", "mars.cli"]
+                         + cli_args(init_dir, prepared, tmp_path / "two", "mars", *TWO_PROCESS_STEPS,
+                                    "-S", "train.launch.num_processes=2",
+                                    "-S", f"train.launch.main_process_port={free_port()}"),
+                         env=run_env(), capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_same_run(one_process_run, tmp_path / "two")
 
 
 def test_launch_command_for_n_processes_and_none_inside_a_launched_process():
