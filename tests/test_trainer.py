@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_model
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from mars.errors import ConfigError, MarsError
 from mars.config import build, load_params, section
@@ -308,6 +308,26 @@ def test_resume_only_continues_the_same_run(init_dir, tmp_path, capsys):
           progress=False, metrics_path=log)
     assert "not resuming" in capsys.readouterr().err
     assert [r["step"] for r in rows(log)] == [1, 2, 3]
+
+
+def test_a_rebuilt_init_checkpoint_at_the_same_path_starts_the_run_over(init_dir, tmp_path, capsys):
+    """mars and ar_control start from checkpoints/sft/final: an SFT retrained there is another run, whose
+    continuation would otherwise mix two models' steps."""
+    data = copy_examples(32)
+    init = tmp_path / "sft-final"
+    shutil.copytree(init_dir, init)
+    out, log = tmp_path / "m", tmp_path / "m.tsv"
+    cfg = config(save_every=2, mars={"max_steps": 3, "block_size": 4})
+    train(cfg, stage="mars", init=init, examples=data, out=out, metrics_path=log, progress=False)
+    weights = load_file(init / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, init / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    again = train(cfg, stage="mars", init=init, examples=data, out=out, metrics_path=log, progress=False)
+    assert "not resuming" in (err := capsys.readouterr().err) and "(different init)" in err
+    fresh = train(cfg, stage="mars", init=init, examples=data, out=tmp_path / "fresh", metrics_path=tmp_path / "f.tsv",
+                  progress=False)
+    a, b = load_file(again.final_dir / "model.safetensors"), load_file(fresh.final_dir / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # --------------------------------------------------------------------------- CLI: processes and kills

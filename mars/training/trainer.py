@@ -38,7 +38,7 @@ import torch
 from mars.core.atomic import atomic_dir
 from mars.core.batch import DualStreamBatch, build_batch
 from mars.core.checkpoint_info import CheckpointInfo
-from mars.core.digest import sha256_chunks
+from mars.core.digest import sha256_chunks, sha256_tree
 from mars.errors import ConfigError, DataError, MarsError
 from mars.core.loss import compute_loss
 from mars.core.models import has_bf16_units
@@ -341,12 +341,23 @@ def _scheduler(cfg: TrainConfig, optimizer, total: int):
 OPERATIONAL = ("save_every", "keep_checkpoints", "threads", "grad_accum", "launch")
 
 
+def init_identity(init: str | Path) -> str:
+    """The init checkpoint as a run saw it: a folder's weights and config by digest (a checkpoint rebuilt
+    at the same path, the SFT model after `dvc exp run -S train.sft...`, starts another run), else its name."""
+    path = Path(init)
+    if not path.is_dir():
+        return str(init)
+    names = [p.name for p in path.iterdir() if p.is_file() and (p.suffix in (".safetensors", ".bin")
+                                                                 or p.name == "config.json")]
+    return sha256_tree(path, names)
+
+
 def _fingerprint(cfg: TrainConfig, stage: str, seed: int, init, examples: Sequence[dict], total: int) -> dict:
     """What a checkpoint must agree on to be resumed: the run it belongs to."""
     data_sha256 = sha256_chunks(f"{ex['prompt_len']}:{','.join(map(str, ex['input_ids']))};".encode()
                                 for ex in examples)
     knobs = {k: v for k, v in asdict(cfg).items() if k not in OPERATIONAL and k not in STAGES}
-    return {"stage": stage, "init": str(init), "seed": seed, "data_sha256": data_sha256, "total_steps": total,
+    return {"stage": stage, "init": init_identity(init), "seed": seed, "data_sha256": data_sha256, "total_steps": total,
             "train": knobs, "stage_config": asdict(cfg.stage(stage)), "mars_config": asdict(cfg.mars)}
 
 
