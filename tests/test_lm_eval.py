@@ -227,6 +227,13 @@ def test_names_resolve_to_leaf_tasks_and_unknown_ones_are_named():
     assert harness.check_tasks(["mars_heldout"], manager) == {"mars_heldout": ["mars_heldout"]}
 
 
+def test_local_tasks_alone_skip_indexing_lm_evals_own():
+    """mars_heldout and mars_gsm need none of lm-eval's ~15,000 tasks (a name that is not a local task
+    takes the whole index: the hub task test below asks for gsm8k_cot)."""
+    local = harness.task_manager(names=["mars_heldout", "mars_gsm"])
+    assert {"mars_heldout", "mars_gsm"} <= set(local.task_index) and len(local.task_index) < 10
+
+
 @pytest.mark.parametrize("over,message", [
     ({"tasks": ["ifeval", "ifeval"]}, "tasks: duplicate"),
     ({"limit": 0}, "limit"),

@@ -31,7 +31,7 @@ def main(argv: list[str], verb: str = "lm-eval") -> int:
         extra = [args.include_path] if args.include_path else []
         args.include_path = [str(TASKS_DIR), *extra]  # lm-eval's TaskManager takes a list
         if args.command == "run" and args.tasks:
-            manager = harness.task_manager(extra)
+            manager = harness.task_manager(extra, names=[n for n in args.tasks if not n.endswith(".yaml")])
             names = [m for name in args.tasks if not name.endswith(".yaml")  # a task file: lm-eval reads it
                      for m in (manager.match_tasks([name]) or [name])]
             harness.check_tasks(names, manager, getattr(args, "confirm_run_unsafe_code", False))
