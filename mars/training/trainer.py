@@ -116,7 +116,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     threads: int | None = 1  # torch CPU threads per process; null: torch's default
     sft: StageConfig = field(default_factory=lambda: StageConfig(epochs=8))
-    mars: MarsStageConfig = field(default_factory=lambda: MarsStageConfig(epochs=5, lr=2e-3))
+    mars: MarsStageConfig = field(default_factory=lambda: MarsStageConfig(epochs=4, lr=2e-3))
     ar_control: StageConfig = field(default_factory=lambda: StageConfig(same_steps_as="mars", lr=2e-3))
     launch: LaunchConfig = field(default_factory=LaunchConfig)  # processes per stage (mars.training.launch)
 
