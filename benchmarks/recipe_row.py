@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from mars.evaluation.benchmarks.chat import added
+from mars.evaluation.metric_key import MetricKey
 from mars.evaluation.paired import Paired
 
 # issue #44's acceptance
@@ -26,10 +27,10 @@ GOALS = {"tau_tpf": 1.6, "tau_drop": 0.01, "lossless_tpf": 2.0, "chat_tau_tpf": 
 GATED = ("reasoning_pool", "reasoning_new")
 
 
-def _items(folder: Path, checkpoint: str, benchmark: str, point: str) -> dict[str, dict]:
-    path = folder / checkpoint / benchmark / f"{point}.jsonl"
+def _items(folder: Path, key: MetricKey) -> dict[str, dict]:
+    path = key.outputs_path(folder)
     if not path.is_file():
-        raise SystemExit(f"recipe_row: {path}: no such file (was {checkpoint} evaluated on {benchmark} at {point}?)")
+        raise SystemExit(f"recipe_row: {path}: no such file (was {key.format()} evaluated there?)")
     rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
     return {row["id"]: row for row in rows}
 
@@ -40,29 +41,33 @@ def _pm(paired: Paired | dict) -> str:
 
 
 def summarize(study: Path, tau: float = 0.9, candidate: str = "mars") -> dict:
-    """Per benchmark the numbers above, and the gate's verdict."""
+    """Per benchmark the numbers above; whether MARS at tau = 1 passed the gate's checks against its baseline
+    (every gated check, Holm-corrected as the gate did; its speed checks and any override aside)."""
     metrics = json.loads((study / "metrics" / "eval.json").read_text())
     gate = json.loads((study / "metrics" / "gate.json").read_text())
-    point = f"tau={float(tau)}"
+    base = (gate["config"].get("report_against") or ["sft"])[0]  # the base: the SFT checkpoint of an instruct model
     checks = {(c["benchmark"], c["baseline_name"]): c for c in gate["checks"] if c["kind"] == "benchmark"}
-    benchmarks = sorted({key.split("/")[1] for key in metrics if key.startswith(f"{candidate}/")})
+    gated = [c for c in gate["checks"] if c.get("gated") and c.get("baseline_name") == gate["baseline"]]
+    benchmarks = sorted({MetricKey.parse(key).benchmark for key in metrics if key.startswith(f"{candidate}/")})
     rows = {}
     for bench in benchmarks:
-        at_tau, lossless, greedy = (metrics.get(f"{candidate}/{bench}/{p}") for p in (point, "lossless", "tau=1.0"))
+        keys = {name: MetricKey(candidate, bench, t) for name, t in (("tau", float(tau)), ("lossless", None),
+                                                                      ("greedy", 1.0))}
+        at_tau, lossless, greedy = (metrics.get(keys[name].format()) for name in ("tau", "lossless", "greedy"))
         if at_tau is None or greedy is None:
             continue
-        ones = _items(study / "eval", candidate, bench, "tau=1.0")
-        lossy = _items(study / "eval", candidate, bench, point)
+        ones, lossy = _items(study / "eval", keys["greedy"]), _items(study / "eval", keys["tau"])
+        scores = lambda items: {i: r["score"] for i, r in items.items()}  # noqa: E731
         row = {"tau_tpf": at_tau["tokens_per_forward"], "lossless_tpf": lossless and lossless["tokens_per_forward"],
-               "tau_vs_1": Paired.of({i: r["score"] for i, r in lossy.items()}, {i: r["score"] for i, r in ones.items()}),
-               "vs_ar_control": checks.get((bench, gate["baseline"])),
-               "vs_base": next((c for (b, name), c in checks.items() if b == bench and name != gate["baseline"]), None),
+               "tau_vs_1": Paired.of(scores(lossy), scores(ones)),
+               "vs_ar_control": checks.get((bench, gate["baseline"])), "vs_base": checks.get((bench, base)),
                "agree_exact": greedy.get("agree_exact"), "ref_logprob": greedy.get("ref_logprob")}
         if bench == "chat":
             doubled = [i for i, r in lossy.items() if i in ones and added(ones[i]["text"], r["text"])]
             row["doubled"] = (len(doubled), sum(i in ones for i in lossy))
         rows[bench] = row
-    return {"passed": gate["passed"], "benchmarks": rows}
+    return {"not_worse": bool(gated) and all(c["passed"] for c in gated), "gate": gate["passed"],
+            "overridden": gate.get("overridden", False), "benchmarks": rows}
 
 
 def goal_lines(summary: dict, tau: float) -> list[str]:
@@ -75,20 +80,24 @@ def goal_lines(summary: dict, tau: float) -> list[str]:
     for bench in GATED:
         if bench in rows:
             r = rows[bench]
-            line(r["tau_tpf"] >= GOALS["tau_tpf"], f"{bench}: tau {tau:g} {r['tau_tpf']:.2f} tokens/forward (>= 1.6)")
-            line(r["tau_vs_1"].delta >= -GOALS["tau_drop"],
-                 f"{bench}: tau {tau:g} - tau 1 score {_pm(r['tau_vs_1'])} points, n {r['tau_vs_1'].n} (>= -1)")
+            line(r["tau_tpf"] >= GOALS["tau_tpf"],
+                 f"{bench}: tau {tau:g} {r['tau_tpf']:.2f} tokens/forward (>= {GOALS['tau_tpf']:.1f})")
+            line(r["tau_vs_1"].delta >= -GOALS["tau_drop"], f"{bench}: tau {tau:g} - tau 1 score {_pm(r['tau_vs_1'])} "
+                 f"points, n {r['tau_vs_1'].n} (>= -{100 * GOALS['tau_drop']:g})")
             line((r["lossless_tpf"] or 0) >= GOALS["lossless_tpf"],
-                 f"{bench}: lossless {r['lossless_tpf'] or 0:.2f} tokens/forward (>= 2.0)")
-    line(summary["passed"], "MARS at tau = 1 not worse than ar_control by the gate's rule")
+                 f"{bench}: lossless {r['lossless_tpf'] or 0:.2f} tokens/forward (>= {GOALS['lossless_tpf']:.1f})")
+    line(summary["not_worse"], "MARS at tau = 1 not worse than ar_control by the gate's rule (its gated checks)")
+    lines.append(f"(the gate as a whole: {'passed' if summary['gate'] else 'failed'}"
+                 f"{', overridden' if summary['overridden'] else ''})")
     if "chat" in rows:
         r = rows["chat"]
-        line(r["tau_tpf"] >= GOALS["chat_tau_tpf"], f"chat: tau {tau:g} {r['tau_tpf']:.2f} tokens/forward (>= 1.4)")
+        line(r["tau_tpf"] >= GOALS["chat_tau_tpf"],
+             f"chat: tau {tau:g} {r['tau_tpf']:.2f} tokens/forward (>= {GOALS['chat_tau_tpf']:.1f})")
         line((r["lossless_tpf"] or 0) >= GOALS["chat_lossless_tpf"],
-             f"chat: lossless {r['lossless_tpf'] or 0:.2f} tokens/forward (>= 1.7)")
+             f"chat: lossless {r['lossless_tpf'] or 0:.2f} tokens/forward (>= {GOALS['chat_lossless_tpf']:.1f})")
         hits, n = r["doubled"]
-        line(n >= 50 and hits <= GOALS["chat_doubled"] * n,
-             f"chat: {hits} of {n} outputs at tau {tau:g} with a doubled word tau 1 lacks (<= 2 of 50, n >= 50)")
+        line(n >= 50 and hits <= GOALS["chat_doubled"] * n, f"chat: {hits} of {n} outputs at tau {tau:g} with a "
+             f"doubled word tau 1 lacks (<= {GOALS['chat_doubled'] * 50:g} of 50, n >= 50)")
     return lines
 
 

@@ -248,6 +248,9 @@ def test_only_the_flows_release_step_moves_prod_and_it_records_the_run(prefect_s
     # the same gated artifacts released again by the flow only when asked: promote=False releases nothing
     held = run_flow(project_dir=str(toy), promote=False)
     assert held.is_completed() and held.result()["released"] is None and prod_pointer(toy)["version"] == "v1"
+    # a rejected gate releases nothing: prod stays on the last release
+    rejected = run_flow(project_dir=str(toy), overrides=["toy.score=0.1"])
+    assert rejected.name == "GateRejected" and prod_pointer(toy)["version"] == "v1"
 
 
 def test_failed_stage_stops_the_flow_with_its_error_and_a_rerun_resumes_there(prefect_server, toy):
@@ -399,8 +402,8 @@ def test_tiny_pipeline_end_to_end_through_the_flow(pipeline_run, tmp_path):
     resumed = run_flow(project_dir=str(root))
     assert resumed.is_completed(), resumed.message
     outcomes = {k: v["outcome"] for k, v in resumed.result()["stages"].items()}
-    # export failed on its config before touching its output, so DVC finds it in line with params.yaml
-    # again, and nothing before the release has to run (a rejected gate is test_rejected_gate_...'s)
+    # DVC removed export's output before the command failed; the resumed flow's `dvc pull` brings it back
+    # from the remote, so nothing before the release has to run (a rejected gate: the toy project's tests)
     assert all(outcomes[s] == "unchanged" for s in ("base", "prepare", "sft", "mars", "ar_control", "evaluate",
                                                     "export", "gate"))
     assert resumed.result()["gate"]["passed"]

@@ -72,7 +72,7 @@ class LmEvalConfig:
 def task_manager(include_path: list[str] | tuple[str, ...] = (), names: list[str] | None = None):
     """lm-eval's task index: its own tasks, the local ones shipped here, then ``include_path``.
 
-    Where every name in ``names`` is a plain task of the local ones, only they are indexed: lm-eval's own
+    Where every name in ``names`` is a plain task of the local folders, only those folders are indexed: lm-eval's own
     ~15,000 take ~10 s of a 2-core CPU to index, for each process that asks (a group or tag may gather
     lm-eval's tasks too, so it takes the whole index).
     """

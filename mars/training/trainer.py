@@ -352,12 +352,12 @@ def init_identity(init: str | Path) -> str:
     return sha256_tree(path, names)
 
 
-def _fingerprint(cfg: TrainConfig, stage: str, seed: int, init, examples: Sequence[dict], total: int) -> dict:
-    """What a checkpoint must agree on to be resumed: the run it belongs to."""
+def _fingerprint(cfg: TrainConfig, stage: str, seed: int, init: str, examples: Sequence[dict], total: int) -> dict:
+    """What a checkpoint must agree on to be resumed: the run it belongs to (``init``: :func:`init_identity`)."""
     data_sha256 = sha256_chunks(f"{ex['prompt_len']}:{','.join(map(str, ex['input_ids']))};".encode()
                                 for ex in examples)
     knobs = {k: v for k, v in asdict(cfg).items() if k not in OPERATIONAL and k not in STAGES}
-    return {"stage": stage, "init": init_identity(init), "seed": seed, "data_sha256": data_sha256, "total_steps": total,
+    return {"stage": stage, "init": init, "seed": seed, "data_sha256": data_sha256, "total_steps": total,
             "train": knobs, "stage_config": asdict(cfg.stage(stage)), "mars_config": asdict(cfg.mars)}
 
 
@@ -416,7 +416,13 @@ def train(cfg: TrainConfig, *, stage: str, init: str | Path, examples: Sequence[
     scheduler = _scheduler(cfg, optimizer, total)
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    fingerprint = _fingerprint(cfg, stage, seed, init, examples, total)
+    # the init's digest reads every weight file: the main process hashes it once for all ranks
+    identity = [init_identity(init) if main else None]
+    if world > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(identity)
+    fingerprint = _fingerprint(cfg, stage, seed, identity[0], examples, total)
     start = 0
     resumed = resume_from(resume, out, fingerprint, stage, main)
     if resumed is not None:
