@@ -267,6 +267,31 @@ def test_onnxruntime_decoder_runs_lossless_mode_exactly(drafting_export, heldout
     assert ref.tokens_per_forward > 2  # the repeated phrases' drafts verify: several tokens per forward
 
 
+def test_committing_a_tree_path_moves_each_layers_and_heads_entries_up_in_place():
+    """commit(n, keep) keeps window entries keep[r, :n[r]] of row r, moved up behind its committed ones, every
+    layer and head in its own place (layers, heads and path length all differ here, so a transposed copy fails)."""
+    from types import SimpleNamespace
+
+    from mars.decoding.onnx_backend import BlockSpec, OnnxBackend
+
+    spec = BlockSpec(batch_size=2, window=8, max_context=24, num_layers=2, kv_heads=3, head_dim=4, vocab_size=10)
+    engine = SimpleNamespace(spec=spec, mask_token_id=9, manifest={"inputs": {"past_keys": {"dtype": "float32"}}})
+    backend = OnnxBackend(engine)
+    backend.extend(2)
+    backend.keys[:] = np.arange(backend.keys.size, dtype=np.float32).reshape(backend.keys.shape)
+    backend.values[:] = -backend.keys
+    backend.lens[:2] = [5, 3]
+    before_k, before_v = backend.keys.copy(), backend.values.copy()
+
+    backend.commit(np.array([4, 2]), np.array([[0, 2, 5, 6, 7], [0, 1, 2, 3, 4]]))
+
+    assert backend.lens[:2].tolist() == [9, 5]
+    np.testing.assert_array_equal(backend.keys[:, 0, :, 5:9], before_k[:, 0, :, [5, 7, 10, 11]].transpose(1, 2, 0, 3))
+    np.testing.assert_array_equal(backend.values[:, 0, :, 5:9], before_v[:, 0, :, [5, 7, 10, 11]].transpose(1, 2, 0, 3))
+    np.testing.assert_array_equal(backend.keys[:, 0, :, :5], before_k[:, 0, :, :5])
+    np.testing.assert_array_equal(backend.keys[:, 1], before_k[:, 1])  # row 1's path is its first entries: no move
+
+
 @pytest.mark.parametrize("b_cache", [None, 6], ids=["token-cache", "block-cache"])
 def test_onnxruntime_decoder_verifies_draft_trees_as_the_pytorch_decoder(drafting_export, heldout_prompts, b_cache):
     """Tree windows (up to 1 + 6 + 7 x 3 = 28 entries here) run as chunks of W = 8, each seeing the entries

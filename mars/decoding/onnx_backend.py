@@ -293,9 +293,10 @@ class OnnxBackend:
                 src = keep[r, : n[r]]
                 moved = src != np.arange(n[r])
                 if moved.any():
-                    base = self.lens[r]
-                    self.keys[:, r, :, base: base + n[r]] = self.keys[:, r, :, base + src]
-                    self.values[:, r, :, base: base + n[r]] = self.values[:, r, :, base + src]
+                    # index the row's view: an int and an index array apart would move the array's axis first
+                    base, row_k, row_v = self.lens[r], self.keys[:, r], self.values[:, r]
+                    row_k[:, :, base: base + n[r]] = row_k[:, :, base + src]
+                    row_v[:, :, base: base + n[r]] = row_v[:, :, base + src]
         self.lens[: self.rows] += n
 
     def reset(self, rows) -> None:
