@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from mars.evaluation.benchmarks.chat import added
+from mars.evaluation.evaluate import read_jsonl
 from mars.evaluation.metric_key import MetricKey
 from mars.evaluation.paired import Paired
 
@@ -31,8 +32,7 @@ def _items(folder: Path, key: MetricKey) -> dict[str, dict]:
     path = key.outputs_path(folder)
     if not path.is_file():
         raise SystemExit(f"recipe_row: {path}: no such file (was {key.format()} evaluated there?)")
-    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return {row["id"]: row for row in rows}
+    return {row["id"]: row for row in read_jsonl(path)}
 
 
 def _pm(paired: Paired | dict) -> str:
